@@ -1,0 +1,24 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= out
+
+.PHONY: setup demo test bench
+
+$(BIN)/forgetful: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/forgetful
+
+demo: setup
+	$(BIN)/forgetful run --out $(OUT)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/memory_bench.py

@@ -1,0 +1,746 @@
+"""The exact, budget-free SV memory: a fixed-box one-class SVM maintained by incremental/decremental steps.
+
+Conventions (see ``shared/design/sv-memory.md``):
+
+* kernel ``k(a, b) = exp(-gamma ||a - b||^2)`` (``gamma = 1 / sigma^2``), so ``k(x, x) = 1``;
+* problem ``min a^T K a - 1^T a`` s.t. ``sum(a) = 1, 0 <= a_i <= C`` with C fixed for the memory's life;
+* decision value (g-form) ``g(x) = rho - k(x, x) + 2 sum_j a_j k(x_j, x)``: > 0 inside the description;
+* reserve tokens (a = 0, g >= 0) carry exactly zero weight and can be evicted with a certificate.
+
+Exact duplicate keys are stored once, as an *atom* with multiplicity m and box m C (exactly equivalent to m
+copies, and it keeps the bordered KKT matrix non-singular); each copy's coefficient is a / m, the
+minimum-norm split among copies, which makes the readout unique.
+"""
+import hashlib
+import itertools
+import math
+import struct
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, UnknownTokenError
+from .kernels import KERNEL_DIAGONAL, check_kernel, rbf, squared_distances
+from .kkt import BOUND, MARGIN, RESERVE, bordered_matrix, bordered_rhs, kkt_residual, midpoint_rho, solve_exact
+
+_DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
+
+# Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
+_FEAS_SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Token ids by KKT set."""
+    margin: frozenset
+    bound: frozenset
+    reserve: frozenset
+
+
+@dataclass(frozen=True)
+class EvictionCertificate:
+    """Proof that evicting ``token_id`` leaves the memory's output unchanged.
+
+    ``alpha`` is the stored coefficient (exactly 0.0), ``decision_value`` the token's g (>= 0), ``margin`` its
+    distance above the boundary in g-units, ``strictly_complementary`` whether that margin exceeds ``tau_res``
+    (a token on the boundary is output-preserving now but degenerate). ``kkt_residual_after`` is the residual
+    of the state without the token; the digests identify the state before and after eviction.
+    """
+    token_id: object
+    alpha: float
+    decision_value: float
+    margin: float
+    tau_res: float
+    strictly_complementary: bool
+    kkt_residual_after: float
+    digest_before: str
+    digest_after: str
+
+    def to_dict(self):
+        d = dict(self.__dict__)
+        d["token_id"] = repr(self.token_id)
+        return d
+
+
+class SVMemory:
+    """Fixed-box one-class SV memory with exact add/remove and certified eviction.
+
+    Parameters
+    ----------
+    C : float
+        Box on every coefficient, fixed for the memory's life. The problem is feasible once the memory holds
+        n >= ceil(1 / C) tokens; before that the memory stores tokens ungated and has no solution yet.
+    kernel : {"rbf"}
+        Kernel; must have a constant diagonal.
+    gamma : float
+        RBF width, ``k(a, b) = exp(-gamma ||a - b||^2)``.
+    tol : float
+        KKT tolerance: a state whose residual exceeds it is repaired (and counted in ``guard_events_``).
+    tau_res : float
+        Reserve tokens with ``g <= tau_res`` are certified but flagged as not strictly complementary.
+    refactor_every : int
+        Recompute the KKT inverse from scratch after this many rank-one updates.
+
+    Attributes
+    ----------
+    rho_ : float
+        Offset of the decision function (g-form).
+    alpha_ : dict
+        Coefficient of every stored token, by token id.
+    guard_events_ : collections.Counter
+        Numerical safeguards that fired: refactorisations, small pivots, repairs.
+    """
+
+    _EPS = 1e-11       # rates below this are treated as zero when deciding whether an event is reachable
+    _REL_PIVOT = 1e-9  # relative Schur-pivot test for a rank-one growth of the inverse
+    _R_CAP = 1e9       # an inverse entry above this triggers a refactorisation
+
+    def __init__(self, C, kernel="rbf", gamma=1.0, tol=1e-10, tau_res=1e-10, refactor_every=500):
+        C = float(C)
+        if not math.isfinite(C) or C <= 0.0:
+            raise InfeasibleError(f"C must be a positive finite number, got {C!r}")
+        self.C = C
+        self.kernel = kernel
+        self.gamma = check_kernel(kernel, gamma)
+        self.tol = float(tol)
+        self.tau_res = float(tau_res)
+        self.refactor_every = int(refactor_every)
+        self._diag = KERNEL_DIAGONAL[kernel]
+        self._dim = None
+        self._value_dim = None
+        self._cap = 0
+        self._n = 0                       # atoms
+        self._X = np.empty((0, 0))
+        self._K = np.empty((0, 0))
+        self._alpha = np.empty(0)
+        self._g = np.empty(0)
+        self._mult = np.empty(0, dtype=np.int64)
+        self._status = np.empty(0, dtype=np.int8)
+        self._seq = np.empty(0, dtype=np.int64)  # creation order of atoms: the canonical summation order
+        self._atom_tokens = []            # per slot: list of token ids, in arrival order
+        self._value_sum = []              # per slot: sum of its tokens' values
+        self._slot_of_seq = {}
+        self._seq_of_keybytes = {}
+        self._tokens = {}                 # token id -> (atom seq, value, arrival number)
+        self._arrivals = itertools.count()
+        self._next_seq = itertools.count()
+        self._auto_id = itertools.count()
+        self._S = []                      # margin slots, in the order of the inverse's rows
+        self._Rinv = np.empty((1, 1))
+        self.rho_ = float("nan")
+        self._fitted = False
+        self._updates_since_refactor = 0
+        self.guard_events_ = Counter()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n_tokens(self):
+        return len(self._tokens)
+
+    @property
+    def n_atoms(self):
+        return self._n
+
+    @property
+    def min_tokens(self):
+        """Smallest number of tokens for which the problem is feasible, ceil(1 / C)."""
+        return max(1, math.ceil(1.0 / self.C - _FEAS_SLACK))
+
+    @property
+    def is_feasible(self):
+        return self._fitted
+
+    @property
+    def alpha_(self):
+        self._check_fitted()
+        out = {}
+        for tid, (seq, _, _) in self._tokens.items():
+            slot = self._slot_of_seq[seq]
+            out[tid] = float(self._alpha[slot] / self._mult[slot])
+        return out
+
+    def token_ids(self):
+        """Stored token ids in arrival order."""
+        return sorted(self._tokens, key=lambda t: self._tokens[t][2])
+
+    def __contains__(self, token_id):
+        return token_id in self._tokens
+
+    def __len__(self):
+        return len(self._tokens)
+
+    def key_of(self, token_id):
+        return self._X[self._slot(token_id)].copy()
+
+    def value_of(self, token_id):
+        self._slot(token_id)
+        return self._tokens[token_id][1].copy()
+
+    def decision_value_of(self, token_id):
+        """g of a stored token (maintained exactly by the solver)."""
+        self._check_fitted()
+        return float(self._g[self._slot(token_id)])
+
+    def status_of(self, token_id):
+        """'margin', 'bound' or 'reserve'."""
+        self._check_fitted()
+        return {MARGIN: "margin", BOUND: "bound", RESERVE: "reserve"}[int(self._status[self._slot(token_id)])]
+
+    def partition(self):
+        """The three token-id sets (margin S, bound E, reserve R)."""
+        self._check_fitted()
+        sets = {MARGIN: set(), BOUND: set(), RESERVE: set()}
+        for tid, (seq, _, _) in self._tokens.items():
+            sets[int(self._status[self._slot_of_seq[seq]])].add(tid)
+        return Partition(frozenset(sets[MARGIN]), frozenset(sets[BOUND]), frozenset(sets[RESERVE]))
+
+    def kkt_residual(self):
+        """KKT residual of the current state, recomputing g from the coefficients."""
+        self._check_fitted()
+        n = self._n
+        g = self._exact_g()
+        return kkt_residual(self._alpha[:n], g, self._box()[:n], self._status[:n])
+
+    # ------------------------------------------------------------------ validation
+    def _check_fitted(self):
+        if not self._fitted:
+            raise InfeasibleError(
+                f"the memory holds {self.n_tokens} token(s) but C={self.C!r} needs at least {self.min_tokens} "
+                f"(n * C >= 1) before it has a solution")
+
+    def _check_key(self, key):
+        try:
+            x = np.asarray(key, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InvalidKeyError(f"a key must be a numeric vector, got {key!r}") from None
+        if x.ndim != 1 or x.size == 0:
+            raise InvalidKeyError(f"a key must be a non-empty 1-D vector, got shape {np.shape(key)}")
+        if self._dim is not None and x.size != self._dim:
+            raise InvalidKeyError(f"key has dimension {x.size}, the memory's keys have dimension {self._dim}")
+        if not np.all(np.isfinite(x)):
+            raise InvalidKeyError(f"key has non-finite entries: {x.tolist()}")
+        return x + 0.0  # turns -0.0 into 0.0 so that equal keys have equal bytes
+
+    def _check_value(self, value, key):
+        v = key.copy() if value is None else np.asarray(value, dtype=np.float64).ravel()
+        if v.size == 0 or not np.all(np.isfinite(v)):
+            raise InvalidKeyError(f"value must be a non-empty finite vector, got {np.asarray(value).tolist()}")
+        if self._value_dim is not None and v.size != self._value_dim:
+            raise InvalidKeyError(f"value has dimension {v.size}, the memory's values have dimension "
+                                  f"{self._value_dim}")
+        return v
+
+    def _check_queries(self, X):
+        Q = np.asarray(X, dtype=np.float64)
+        single = Q.ndim == 1
+        Q = np.atleast_2d(Q)
+        if Q.ndim != 2 or (self._dim is not None and Q.shape[1] != self._dim):
+            raise InvalidKeyError(f"queries must have shape (m, {self._dim}), got {np.shape(X)}")
+        if not np.all(np.isfinite(Q)):
+            raise InvalidKeyError("queries have non-finite entries")
+        return Q, single
+
+    def _slot(self, token_id):
+        try:
+            seq = self._tokens[token_id][0]
+        except (KeyError, TypeError):
+            raise UnknownTokenError(f"unknown token id {token_id!r}") from None
+        return self._slot_of_seq[seq]
+
+    def _box(self):
+        return self._mult * self.C
+
+    # ------------------------------------------------------------------ storage
+    def _ensure_capacity(self, n):
+        if n <= self._cap:
+            return
+        cap = max(16, 2 * self._cap, n)
+        d = self._dim
+
+        def grow(a, shape, dtype=np.float64):
+            out = np.zeros(shape, dtype=dtype)
+            out[tuple(slice(0, s) for s in a.shape)] = a
+            return out
+
+        self._X = grow(self._X[:self._n], (cap, d)) if self._X.size else np.zeros((cap, d))
+        K = np.zeros((cap, cap))
+        K[:self._n, :self._n] = self._K[:self._n, :self._n]
+        self._K = K
+        self._alpha = grow(self._alpha[:self._n], (cap,))
+        self._g = grow(self._g[:self._n], (cap,))
+        self._mult = grow(self._mult[:self._n], (cap,), np.int64)
+        self._status = grow(self._status[:self._n], (cap,), np.int8)
+        self._seq = grow(self._seq[:self._n], (cap,), np.int64)
+        self._cap = cap
+
+    def _new_atom(self, x, krow):
+        slot = self._n
+        self._ensure_capacity(slot + 1)
+        self._X[slot] = x
+        self._K[slot, :slot] = krow
+        self._K[:slot, slot] = krow
+        self._K[slot, slot] = self._diag
+        self._alpha[slot] = 0.0
+        self._g[slot] = 0.0
+        self._mult[slot] = 0
+        self._status[slot] = RESERVE
+        seq = next(self._next_seq)
+        self._seq[slot] = seq
+        self._slot_of_seq[seq] = slot
+        self._seq_of_keybytes[x.tobytes()] = seq
+        self._atom_tokens.append([])
+        self._value_sum.append(None)
+        self._n += 1
+        return slot
+
+    def _drop_atom(self, slot):
+        """Delete an atom by moving the last one into its slot (O(n))."""
+        last = self._n - 1
+        seq = int(self._seq[slot])
+        del self._slot_of_seq[seq]
+        del self._seq_of_keybytes[self._X[slot].tobytes()]
+        if slot != last:
+            self._X[slot] = self._X[last]
+            self._K[slot, :] = self._K[last, :]
+            self._K[:, slot] = self._K[:, last]
+            self._K[slot, slot] = self._diag
+            for arr in (self._alpha, self._g, self._mult, self._status, self._seq):
+                arr[slot] = arr[last]
+            self._atom_tokens[slot] = self._atom_tokens[last]
+            self._value_sum[slot] = self._value_sum[last]
+            self._slot_of_seq[int(self._seq[slot])] = slot
+            if last in self._S:
+                self._S[self._S.index(last)] = slot
+        self._atom_tokens.pop()
+        self._value_sum.pop()
+        self._K[last, :] = 0.0
+        self._K[:, last] = 0.0
+        self._n -= 1
+
+    # ------------------------------------------------------------------ public API: add / remove
+    def add(self, key, value=None, token_id=None):
+        """Insert one event; returns its token id.
+
+        The new token enters the reserve set at O(stored) cost when it already lies inside the description
+        (g >= 0); otherwise its coefficient is raised by the adiabatic incremental procedure. ``value`` defaults
+        to the key itself (an auto-associative memory).
+        """
+        x = self._check_key(key)
+        v = self._check_value(value, x)
+        if token_id is None:
+            token_id = next(self._auto_id)
+            while token_id in self._tokens:
+                token_id = next(self._auto_id)
+        elif token_id in self._tokens:
+            raise ValueError(f"token id {token_id!r} is already stored")
+        if self._dim is None:
+            self._dim = x.size
+            self._X = np.zeros((0, self._dim))
+        if self._value_dim is None:
+            self._value_dim = v.size
+
+        seq = self._seq_of_keybytes.get(x.tobytes())
+        if seq is None:
+            krow = np.exp(-self.gamma * squared_distances(x, self._X[:self._n])[0]) if self._n else np.empty(0)
+            slot = self._new_atom(x, krow)
+        else:
+            slot = self._slot_of_seq[seq]
+        self._tokens[token_id] = (int(self._seq[slot]), v, next(self._arrivals))
+        self._atom_tokens[slot].append(token_id)
+        self._value_sum[slot] = v.copy() if self._value_sum[slot] is None else self._value_sum[slot] + v
+        self._mult[slot] += 1
+
+        if self._fitted:
+            self._admit(slot)
+        elif self.n_tokens * self.C >= 1.0 - _FEAS_SLACK:
+            self._seed()
+        return token_id
+
+    def remove(self, token_id):
+        """Delete one token by the exact decremental procedure.
+
+        Afterwards the state equals the fixed-C solution over the retained tokens (see
+        :func:`memory.refit.verify_against_refit`).
+        """
+        slot = self._slot(token_id)
+        if self.n_tokens == 1:
+            raise InfeasibleError(f"cannot remove token {token_id!r}: it is the memory's last token")
+        if self._fitted and (self.n_tokens - 1) * self.C < 1.0 - _FEAS_SLACK:
+            raise InfeasibleError(
+                f"removing token {token_id!r} would leave {self.n_tokens - 1} tokens, infeasible for "
+                f"C={self.C!r} (needs n * C >= 1, i.e. at least {self.min_tokens} tokens)")
+        if self._fitted:
+            self._release(slot)
+        self._forget_token(token_id, slot)
+
+    def remove_many(self, token_ids):
+        """Delete several tokens (all-or-nothing on validation: unknown ids or infeasibility raise first)."""
+        token_ids = list(dict.fromkeys(token_ids))
+        for t in token_ids:
+            self._slot(t)
+        left = self.n_tokens - len(token_ids)
+        if left < 1:
+            raise InfeasibleError("cannot remove every token of the memory")
+        if self._fitted and left * self.C < 1.0 - _FEAS_SLACK:
+            raise InfeasibleError(f"removing {len(token_ids)} tokens would leave {left}, infeasible for "
+                                  f"C={self.C!r} (needs at least {self.min_tokens})")
+        for t in token_ids:
+            self.remove(t)
+
+    def _forget_token(self, token_id, slot):
+        seq, v, _ = self._tokens.pop(token_id)
+        tokens = self._atom_tokens[slot]
+        tokens.remove(token_id)
+        if tokens:
+            # Re-summed from the remaining tokens, not by subtraction, so the atom's mean value is exact.
+            self._value_sum[slot] = np.sum([self._tokens[t][1] for t in tokens], axis=0)
+        self._mult[slot] -= 1
+        if self._mult[slot] == 0:
+            self._drop_atom(slot)
+
+    # ------------------------------------------------------------------ certified eviction
+    def certify_eviction(self, token_id):
+        """Certificate that evicting a reserve token changes no output; raises for any other token."""
+        slot = self._slot(token_id)
+        self._check_fitted()
+        if self._status[slot] != RESERVE or self._alpha[slot] != 0.0:
+            raise NotCertifiableError(
+                f"token {token_id!r} is in the {self.status_of(token_id)} set with coefficient "
+                f"{self._alpha[slot] / self._mult[slot]!r}; only reserve tokens (coefficient exactly 0) can be "
+                f"evicted with a certificate")
+        if self.n_tokens == 1:
+            raise InfeasibleError(f"cannot evict token {token_id!r}: it is the memory's last token")
+        n = self._n
+        keep = np.ones(n, dtype=bool)
+        if self._mult[slot] == 1:
+            keep[slot] = False
+        g_exact = self._exact_g()
+        box = self._box()[:n].astype(np.float64)
+        if self._mult[slot] > 1:
+            box[slot] -= self.C
+        residual = kkt_residual(self._alpha[:n][keep], g_exact[keep], box[keep], self._status[:n][keep])
+        gj = float(self._g[slot])
+        return EvictionCertificate(
+            token_id=token_id, alpha=float(self._alpha[slot]), decision_value=gj, margin=gj,
+            tau_res=self.tau_res, strictly_complementary=gj > self.tau_res, kkt_residual_after=residual,
+            digest_before=self.state_digest(), digest_after=self.state_digest(exclude=token_id))
+
+    def evict(self, token_id, certificate=None):
+        """Remove a certified reserve token without any solver work; returns its certificate.
+
+        Every output (``decision_function``, ``read``) is bit-for-bit unchanged: both sum over the nonzero
+        coefficients in atom creation order, and neither set nor order changes.
+        """
+        cert = certificate if certificate is not None else self.certify_eviction(token_id)
+        if cert.token_id != token_id or cert.digest_before != self.state_digest():
+            raise NotCertifiableError(f"the certificate does not belong to token {token_id!r} in this state")
+        self._forget_token(token_id, self._slot(token_id))
+        return cert
+
+    def state_digest(self, exclude=None):
+        """SHA-256 over the solution state (C, gamma, rho, and every token's id, key and coefficient)."""
+        h = hashlib.sha256()
+        h.update(struct.pack("<3d", self.C, self.gamma, self.rho_ if self._fitted else float("nan")))
+        for tid in self.token_ids():
+            if tid == exclude:
+                continue
+            slot = self._slot(tid)
+            h.update(repr(tid).encode())
+            h.update(self._X[slot].tobytes())
+            a = self._alpha[slot] / self._mult[slot] if self._fitted else 0.0
+            h.update(struct.pack("<d", a))
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ outputs
+    def _active_atoms(self):
+        idx = np.flatnonzero(self._alpha[:self._n])
+        return idx[np.argsort(self._seq[idx], kind="stable")]
+
+    def decision_function(self, X):
+        """g(x) = rho - k(x, x) + 2 sum_j a_j k(x_j, x) for each row of X (> 0 inside the description)."""
+        self._check_fitted()
+        Q, single = self._check_queries(X)
+        act = self._active_atoms()
+        Kq = rbf(Q, self._X[act], self.gamma)
+        out = self.rho_ - self._diag + 2.0 * (Kq @ self._alpha[act])
+        return out[0] if single else out
+
+    def read(self, query):
+        """The memory's output: sum_i a_i k(q, x_i) v_i / sum_i a_i k(q, x_i).
+
+        Computed as a softmax over active tokens with logits log a_i - gamma ||q - x_i||^2 (the identity of the
+        design note, section 3.2), which does not underflow for queries far from every key.
+        """
+        self._check_fitted()
+        Q, single = self._check_queries(query)
+        act = self._active_atoms()
+        alpha = self._alpha[act]
+        values = np.stack([self._value_sum[s] for s in act]) / self._mult[act][:, None]
+        logits = np.log(alpha)[None, :] - self.gamma * squared_distances(Q, self._X[act])
+        logits -= logits.max(axis=1, keepdims=True)
+        w = np.exp(logits)
+        out = (w @ values) / w.sum(axis=1, keepdims=True)
+        return out[0] if single else out
+
+    # ------------------------------------------------------------------ solver
+    def _exact_g(self):
+        n = self._n
+        act = np.flatnonzero(self._alpha[:n])
+        return self.rho_ - self._diag + 2.0 * (self._K[:n, act] @ self._alpha[act])
+
+    def _seed(self):
+        """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
+        from .refit import sklearn_alpha_guess
+        n = self._n
+        box = self._box()[:n].astype(np.float64)
+        guess = sklearn_alpha_guess(self._K[:n, :n], self._mult[:n], self.C)
+        sol = solve_exact(self._K[:n, :n], box, guess, diag=self._diag, tol=self.tol * 1e-2)
+        if sol.residual > self.tol:
+            raise SolverError(f"could not seed the memory: KKT residual {sol.residual:.3g} > tol={self.tol:g}")
+        self._alpha[:n] = sol.alpha
+        self._status[:n] = sol.status
+        self.rho_ = sol.rho
+        self._S = list(np.flatnonzero(sol.status == MARGIN))
+        self._refactor()
+        self._fitted = True
+        self._finish()
+
+    def _admit(self, slot):
+        """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
+        n = self._n
+        act = np.flatnonzero(self._alpha[:n])
+        self._g[slot] = self.rho_ - self._diag + 2.0 * (self._K[slot, act] @ self._alpha[act])
+        status = self._status[slot]
+        if status == BOUND or (self._mult[slot] == 1 and self._g[slot] < -1e-2 * self.tol):
+            # Below the boundary (or a bound atom whose box just grew): raise its coefficient.
+            if status == MARGIN:
+                self._shrink(self._S.index(slot))
+            self._status[slot] = _DETACHED
+            self._sweep(slot, +1.0, float(self._mult[slot] * self.C))
+            self._finish()
+        elif self._mult[slot] == 1:
+            self._status[slot] = RESERVE  # inside the description: no solver work
+        # A margin or reserve atom whose box grew stays optimal as it is.
+
+    def _release(self, slot):
+        """Restore optimality before atom ``slot`` loses one token."""
+        new_box = float((self._mult[slot] - 1) * self.C)
+        status = self._status[slot]
+        if status == RESERVE or self._alpha[slot] < new_box:
+            return  # a zero coefficient, or one still inside the smaller box: the optimum is unchanged
+        if status == MARGIN:
+            self._shrink(self._S.index(slot))
+        self._status[slot] = _DETACHED
+        self._sweep(slot, -1.0, new_box)
+        if new_box == 0.0:
+            self._alpha[slot] = 0.0
+            self._status[slot] = RESERVE  # the atom is dropped by the caller
+            self._finish(exclude=slot)
+        else:
+            self._finish()
+
+    def _sweep(self, c, s, target):
+        """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
+
+        Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching
+        0 (increments only), a margin atom reaching 0 or its box, a bound or reserve atom's g reaching 0. With an
+        empty margin set only rho moves. Cost per step O(n |S| + |S|^2).
+        """
+        K, g, alpha, status = self._K, self._g, self._alpha, self._status
+        n = self._n
+        box = self._box()[:n].astype(np.float64)
+        box[c] = max(box[c], target)
+        eps = self._EPS
+        skip = -1
+        for _ in range(20 * n + 100):
+            S = np.asarray(self._S, dtype=np.int64)
+            if len(S):
+                v = np.empty(len(S) + 1)
+                v[0] = 1.0
+                v[1:] = 2.0 * K[S, c]
+                beta = -(self._Rinv @ v)
+                rate_g = s * (2.0 * K[:n, c] + beta[0] + 2.0 * (K[:n, S] @ beta[1:]))
+                rate_g[S] = 0.0
+                rate_a = s * beta[1:]
+                rate_rho, rate_c = s * beta[0], s
+            else:
+                rate_g = np.full(n, s)
+                rate_a = np.empty(0)
+                rate_rho, rate_c = s, 0.0
+
+            best_t, kind, j = math.inf, None, -1
+            if rate_c:
+                best_t, kind = max(s * (target - alpha[c]), 0.0), "c_target"
+            if s > 0 and rate_g[c] > eps:
+                t = max(-g[c], 0.0) / rate_g[c]
+                if t < best_t:
+                    best_t, kind = t, "c_margin"
+            if len(S):
+                ok = S != skip
+                up = ok & (rate_a > eps)
+                if up.any():
+                    t = (box[S[up]] - alpha[S[up]]) / rate_a[up]
+                    i = int(np.argmin(t))
+                    if t[i] < best_t:
+                        best_t, kind, j = max(t[i], 0.0), "S_to_E", int(S[up][i])
+                dn = ok & (rate_a < -eps)
+                if dn.any():
+                    t = alpha[S[dn]] / -rate_a[dn]
+                    i = int(np.argmin(t))
+                    if t[i] < best_t:
+                        best_t, kind, j = max(t[i], 0.0), "S_to_R", int(S[dn][i])
+            st = status[:n]
+            idx_all = np.arange(n)
+            for code, sel, label in ((BOUND, rate_g > eps, "E_to_S"), (RESERVE, rate_g < -eps, "R_to_S")):
+                mask = (st == code) & sel & (idx_all != skip)
+                if mask.any():
+                    cand = np.flatnonzero(mask)
+                    if code == BOUND:
+                        t = np.maximum(-g[cand], 0.0) / rate_g[cand]
+                    else:
+                        t = np.maximum(g[cand], 0.0) / -rate_g[cand]
+                    i = int(np.argmin(t))
+                    if t[i] < best_t:
+                        best_t, kind, j = float(t[i]), label, int(cand[i])
+            if kind is None:
+                raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
+
+            t = best_t
+            if len(S):
+                alpha[S] += t * rate_a
+            alpha[c] += t * rate_c
+            self.rho_ += t * rate_rho
+            g[:n] += t * rate_g
+            skip = j if t <= 1e-14 else -1
+
+            if kind == "c_target":
+                alpha[c] = target
+                status[c] = BOUND
+                return
+            if kind == "c_margin":
+                g[c] = 0.0
+                status[c] = MARGIN
+                self._grow(c)
+                return
+            if kind == "S_to_E":
+                alpha[j] = box[j]
+                self._shrink(self._S.index(j))
+                status[j] = BOUND
+            elif kind == "S_to_R":
+                alpha[j] = 0.0
+                self._shrink(self._S.index(j))
+                status[j] = RESERVE
+            else:
+                g[j] = 0.0
+                status[j] = MARGIN
+                self._grow(j)
+        self.guard_events_["iteration_cap"] += 1
+        raise SolverError("the incremental/decremental path did not terminate")
+
+    def _grow(self, j):
+        """Append atom j to the margin set, updating the bordered inverse by a rank-one step."""
+        S = np.asarray(self._S, dtype=np.int64)
+        if not len(S):
+            self._S = [j]
+            self._Rinv = np.array([[-2.0 * self._K[j, j], 1.0], [1.0, 0.0]])
+            return
+        v = np.empty(len(S) + 1)
+        v[0] = 1.0
+        v[1:] = 2.0 * self._K[S, j]
+        beta = -(self._Rinv @ v)
+        pivot = 2.0 * self._K[j, j] + v @ beta
+        self._S.append(j)
+        if abs(pivot) <= self._REL_PIVOT * (abs(2.0 * self._K[j, j]) + abs(v @ beta)) or abs(pivot) <= 1e-12:
+            self.guard_events_["small_pivot"] += 1
+            self._refactor()
+            return
+        m = len(S) + 1
+        R = np.zeros((m + 1, m + 1))
+        R[:m, :m] = self._Rinv
+        b = np.append(beta, 1.0)
+        R += np.outer(b, b) / pivot
+        self._Rinv = R
+        self._after_update()
+
+    def _shrink(self, pos):
+        """Remove the margin atom at position ``pos`` of the margin list from the bordered inverse."""
+        k = pos + 1
+        R = self._Rinv
+        keep = np.r_[0:k, k + 1:R.shape[0]]
+        if abs(R[k, k]) <= 1e-300:
+            del self._S[pos]
+            self.guard_events_["small_pivot"] += 1
+            self._refactor()
+            return
+        self._Rinv = R[np.ix_(keep, keep)] - np.outer(R[keep, k], R[k, keep]) / R[k, k]
+        del self._S[pos]
+        self._after_update()
+
+    def _after_update(self):
+        self._updates_since_refactor += 1
+        if self._updates_since_refactor >= self.refactor_every:
+            self.guard_events_["scheduled_refactor"] += 1
+            self._refactor()
+        elif self._Rinv.size and np.abs(self._Rinv).max() > self._R_CAP:
+            self.guard_events_["large_inverse"] += 1
+            self._refactor()
+
+    def _refactor(self):
+        self._updates_since_refactor = 0
+        S = np.asarray(self._S, dtype=np.int64)
+        if not len(S):
+            self._Rinv = np.empty((1, 1))
+            return
+        M = bordered_matrix(self._K, S)
+        try:
+            self._Rinv = np.linalg.inv(M)
+        except np.linalg.LinAlgError:
+            self.guard_events_["pinv"] += 1
+            self._Rinv = np.linalg.pinv(M)
+
+    def _finish(self, exclude=None):
+        """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
+
+        The sweep accumulates rounding in a, rho and g; re-solving the bordered system on the final partition
+        with the maintained inverse (plus one step of iterative refinement) and recomputing g from a removes it.
+        """
+        n = self._n
+        keep = np.ones(n, dtype=bool)
+        if exclude is not None:
+            keep[exclude] = False
+        idx = np.flatnonzero(keep)
+        S = np.asarray(self._S, dtype=np.int64)
+        box = self._box()[:n].astype(np.float64)
+        E = idx[self._status[idx] == BOUND]
+        self._alpha[E] = box[E]
+        self._alpha[idx[self._status[idx] == RESERVE]] = 0.0
+        diag = np.full(n, self._diag)
+        if len(S):
+            M = bordered_matrix(self._K, S)
+            rhs = bordered_rhs(self._K, diag, box, S, E)
+            u = self._Rinv @ rhs
+            u += self._Rinv @ (rhs - M @ u)
+            self.rho_ = float(u[0])
+            self._alpha[S] = u[1:]
+        else:
+            self.rho_ = midpoint_rho(self._K[np.ix_(idx, idx)], self._alpha[idx], self._status[idx],
+                                     diag[idx])
+        self._g[:n] = self._exact_g()
+        res = kkt_residual(self._alpha[idx], self._g[idx], box[idx], self._status[idx])
+        if res > self.tol:
+            self._repair(idx, box)
+
+    def _repair(self, idx, box):
+        """Last-resort exact batch solve from the current state (counted; should be rare)."""
+        self.guard_events_["repair"] += 1
+        sub = np.ix_(idx, idx)
+        sol = solve_exact(self._K[sub], box[idx], self._alpha[idx], diag=self._diag, tol=self.tol * 1e-2)
+        if sol.residual > self.tol:
+            raise SolverError(f"KKT residual {sol.residual:.3g} exceeds tol={self.tol:g} after repair")
+        self._alpha[idx] = sol.alpha
+        self._status[idx] = sol.status
+        self.rho_ = sol.rho
+        self._S = [int(i) for i in idx[sol.status == MARGIN]]
+        self._refactor()
+        self._g[:self._n] = self._exact_g()
