@@ -78,6 +78,18 @@ def midpoint_rho(K, alpha, status, diag):
     return 0.5 * (float(lo) + float(hi))
 
 
+# A margin coefficient this close to a bound is on it: the atom is moved to that bound's set. Otherwise a margin
+# set made only of such atoms would pin rho at one end of its interval, where a solver that reached the same
+# coefficients by another path takes the midpoint.
+BOUNDARY_SNAP = 1e-13
+
+
+def degenerate_margin(alpha, box, status):
+    """Margin atoms whose coefficient sits on a bound: (to_reserve, to_bound) boolean masks."""
+    margin = status == MARGIN
+    return margin & (alpha <= BOUNDARY_SNAP), margin & (alpha >= box - BOUNDARY_SNAP)
+
+
 @dataclass
 class BatchSolution:
     alpha: np.ndarray
@@ -95,10 +107,9 @@ def _solve_partition(K, diag, box, status):
     if len(S):
         M = bordered_matrix(K, S)
         rhs = bordered_rhs(K, diag, box, S, E)
-        try:
-            u = np.linalg.solve(M, rhs)
-        except np.linalg.LinAlgError:
-            u = np.linalg.lstsq(M, rhs, rcond=None)[0]
+        # Least squares with a cut-off: near-duplicate keys make M numerically singular, and the minimum-norm
+        # solution then picks the tie-break among (almost) interchangeable atoms.
+        u = np.linalg.lstsq(M, rhs, rcond=1e-13)[0]
         rho = float(u[0])
         alpha[S] = u[1:]
     else:
@@ -142,7 +153,11 @@ def solve_exact(K, box, alpha_guess, diag=1.0, max_iter=60, tol=1e-12):
                     status[sel] = new
                     moved = True
             if not moved:
-                break
+                to_r, to_e = degenerate_margin(alpha, box, status)
+                if not (to_r.any() or to_e.any()):
+                    break
+                status[to_r] = RESERVE
+                status[to_e] = BOUND
         alpha, rho = _solve_partition(K, diag_v, box, status)
         alpha = np.where(status == RESERVE, 0.0, np.where(status == BOUND, box, alpha))
         g = gradient(K, alpha, rho, diag_v)

@@ -55,6 +55,8 @@ class RefitReport:
     sklearn's own solution. ``partition_agreement`` is the fraction of distinct keys in the same KKT set;
     ``nondegenerate_mismatches`` counts disagreeing keys that are not on a set boundary (|g| and the
     coefficient's distance to its bounds both above ``degenerate_tol``) -- the unique-optimum disagreements.
+    ``rho_pinned`` is False when the margin set is empty: rho is then only bounded, both sides take the midpoint
+    of its interval, but libsvm's raw offset may sit elsewhere in it (its "free" test uses its own tolerance).
     """
     n_tokens: int
     n_probes: int
@@ -68,6 +70,7 @@ class RefitReport:
     nondegenerate_mismatches: int
     kkt_residual_memory: float
     kkt_residual_refit: float
+    rho_pinned: bool
 
     def to_dict(self):
         return dict(self.__dict__)
@@ -136,4 +139,5 @@ def verify_against_refit(memory, probes=None, n_jitter=64, seed=0, degenerate_to
         max_alpha_dev=float(np.abs(alpha_mem - snap.alpha).max()), rho_dev=abs(memory.rho_ - snap.rho),
         partition_agreement=float(agree.mean()),
         nondegenerate_mismatches=int((~agree & ~degenerate).sum()),
-        kkt_residual_memory=memory.kkt_residual(), kkt_residual_refit=snap.residual)
+        kkt_residual_memory=memory.kkt_residual(), kkt_residual_refit=snap.residual,
+        rho_pinned=bool((snap.status == MARGIN).any()))

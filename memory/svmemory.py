@@ -22,7 +22,8 @@ import numpy as np
 
 from .errors import InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, UnknownTokenError
 from .kernels import KERNEL_DIAGONAL, check_kernel, rbf, squared_distances
-from .kkt import BOUND, MARGIN, RESERVE, bordered_matrix, bordered_rhs, kkt_residual, midpoint_rho, solve_exact
+from .kkt import (BOUND, MARGIN, RESERVE, bordered_matrix, bordered_rhs, degenerate_margin, kkt_residual,
+                  midpoint_rho, solve_exact)
 
 _DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
 
@@ -46,6 +47,10 @@ class EvictionCertificate:
     distance above the boundary in g-units, ``strictly_complementary`` whether that margin exceeds ``tau_res``
     (a token on the boundary is output-preserving now but degenerate). ``kkt_residual_after`` is the residual
     of the state without the token; the digests identify the state before and after eviction.
+
+    The readout (``read``) is bit-for-bit unchanged. So is the decision function when ``rho_pinned`` (the margin
+    set is non-empty); otherwise rho is only bounded, and is moved to the midpoint of its interval without
+    the token, the convention the refit uses (coefficients and readout are unchanged either way).
     """
     token_id: object
     alpha: float
@@ -53,6 +58,7 @@ class EvictionCertificate:
     margin: float
     tau_res: float
     strictly_complementary: bool
+    rho_pinned: bool
     kkt_residual_after: float
     digest_before: str
     digest_after: str
@@ -370,6 +376,7 @@ class SVMemory:
             raise InfeasibleError(
                 f"removing token {token_id!r} would leave {self.n_tokens - 1} tokens, infeasible for "
                 f"C={self.C!r} (needs n * C >= 1, i.e. at least {self.min_tokens} tokens)")
+        self._mult[slot] -= 1
         if self._fitted:
             self._release(slot)
         self._forget_token(token_id, slot)
@@ -389,15 +396,17 @@ class SVMemory:
             self.remove(t)
 
     def _forget_token(self, token_id, slot):
+        """Drop the token's records (its atom's multiplicity is already decremented) and an emptied atom."""
         seq, v, _ = self._tokens.pop(token_id)
         tokens = self._atom_tokens[slot]
         tokens.remove(token_id)
         if tokens:
             # Re-summed from the remaining tokens, not by subtraction, so the atom's mean value is exact.
             self._value_sum[slot] = np.sum([self._tokens[t][1] for t in tokens], axis=0)
-        self._mult[slot] -= 1
         if self._mult[slot] == 0:
             self._drop_atom(slot)
+            if self._fitted and not self._S:
+                self._finish()  # rho is unpinned: its interval may have widened; return to the midpoint
 
     # ------------------------------------------------------------------ certified eviction
     def certify_eviction(self, token_id):
@@ -415,33 +424,42 @@ class SVMemory:
         keep = np.ones(n, dtype=bool)
         if self._mult[slot] == 1:
             keep[slot] = False
-        g_exact = self._exact_g()
         box = self._box()[:n].astype(np.float64)
         if self._mult[slot] > 1:
             box[slot] -= self.C
-        residual = kkt_residual(self._alpha[:n][keep], g_exact[keep], box[keep], self._status[:n][keep])
+        rho_pinned = bool(self._S)
+        rho_after = self.rho_ if rho_pinned else midpoint_rho(
+            self._K[np.ix_(keep, keep)], self._alpha[:n][keep], self._status[:n][keep], np.full(keep.sum(), self._diag))
+        g_after = self._exact_g()[keep] + (rho_after - self.rho_)
+        residual = kkt_residual(self._alpha[:n][keep], g_after, box[keep], self._status[:n][keep])
         gj = float(self._g[slot])
         return EvictionCertificate(
             token_id=token_id, alpha=float(self._alpha[slot]), decision_value=gj, margin=gj,
-            tau_res=self.tau_res, strictly_complementary=gj > self.tau_res, kkt_residual_after=residual,
-            digest_before=self.state_digest(), digest_after=self.state_digest(exclude=token_id))
+            tau_res=self.tau_res, strictly_complementary=gj > self.tau_res, rho_pinned=rho_pinned,
+            kkt_residual_after=residual, digest_before=self.state_digest(),
+            digest_after=self.state_digest(exclude=token_id, rho=rho_after))
 
     def evict(self, token_id, certificate=None):
         """Remove a certified reserve token without any solver work; returns its certificate.
 
-        Every output (``decision_function``, ``read``) is bit-for-bit unchanged: both sum over the nonzero
-        coefficients in atom creation order, and neither set nor order changes.
+        ``read`` is bit-for-bit unchanged (and ``decision_function`` when rho is pinned): both sum over the
+        nonzero coefficients in atom creation order, and neither that set nor its order changes.
         """
         cert = certificate if certificate is not None else self.certify_eviction(token_id)
         if cert.token_id != token_id or cert.digest_before != self.state_digest():
             raise NotCertifiableError(f"the certificate does not belong to token {token_id!r} in this state")
-        self._forget_token(token_id, self._slot(token_id))
+        slot = self._slot(token_id)
+        self._mult[slot] -= 1
+        self._forget_token(token_id, slot)
+        if self.state_digest() != cert.digest_after:
+            raise SolverError(f"state after evicting {token_id!r} does not match its certificate")
         return cert
 
-    def state_digest(self, exclude=None):
+    def state_digest(self, exclude=None, rho=None):
         """SHA-256 over the solution state (C, gamma, rho, and every token's id, key and coefficient)."""
         h = hashlib.sha256()
-        h.update(struct.pack("<3d", self.C, self.gamma, self.rho_ if self._fitted else float("nan")))
+        rho = rho if rho is not None else (self.rho_ if self._fitted else float("nan"))
+        h.update(struct.pack("<3d", self.C, self.gamma, rho))
         for tid in self.token_ids():
             if tid == exclude:
                 continue
@@ -521,11 +539,13 @@ class SVMemory:
             self._finish()
         elif self._mult[slot] == 1:
             self._status[slot] = RESERVE  # inside the description: no solver work
+            if not self._S:
+                self._finish()  # rho is unpinned: keep it at the midpoint of its (possibly narrower) interval
         # A margin or reserve atom whose box grew stays optimal as it is.
 
     def _release(self, slot):
-        """Restore optimality before atom ``slot`` loses one token."""
-        new_box = float((self._mult[slot] - 1) * self.C)
+        """Restore optimality after atom ``slot``'s multiplicity (so its box) was lowered by one."""
+        new_box = float(self._mult[slot] * self.C)
         status = self._status[slot]
         if status == RESERVE or self._alpha[slot] < new_box:
             return  # a zero coefficient, or one still inside the smaller box: the optimum is unchanged
@@ -553,6 +573,10 @@ class SVMemory:
         box[c] = max(box[c], target)
         eps = self._EPS
         skip = -1
+        # Atoms whose kernel column is numerically in the span of the margin set's: admitting one would make
+        # the bordered matrix singular, so it stays at its bound with g = 0 (design note 4.6) for this sweep.
+        frozen = np.zeros(n, dtype=bool)
+        c_frozen = False
         for _ in range(20 * n + 100):
             S = np.asarray(self._S, dtype=np.int64)
             if len(S):
@@ -572,7 +596,7 @@ class SVMemory:
             best_t, kind, j = math.inf, None, -1
             if rate_c:
                 best_t, kind = max(s * (target - alpha[c]), 0.0), "c_target"
-            if s > 0 and rate_g[c] > eps:
+            if s > 0 and not c_frozen and rate_g[c] > eps:
                 t = max(-g[c], 0.0) / rate_g[c]
                 if t < best_t:
                     best_t, kind = t, "c_margin"
@@ -593,7 +617,7 @@ class SVMemory:
             st = status[:n]
             idx_all = np.arange(n)
             for code, sel, label in ((BOUND, rate_g > eps, "E_to_S"), (RESERVE, rate_g < -eps, "R_to_S")):
-                mask = (st == code) & sel & (idx_all != skip)
+                mask = (st == code) & sel & (idx_all != skip) & ~frozen
                 if mask.any():
                     cand = np.flatnonzero(mask)
                     if code == BOUND:
@@ -604,6 +628,13 @@ class SVMemory:
                     if t[i] < best_t:
                         best_t, kind, j = float(t[i]), label, int(cand[i])
             if kind is None:
+                if not len(S) and s < 0:
+                    # Every other atom is at a bound: feasibility (checked before the sweep) says their boxes
+                    # hold the unit mass, so what is left of a_c is rounding from a tie with the terminal event.
+                    # _finish verifies the result's KKT residual.
+                    alpha[c] = target
+                    status[c] = BOUND
+                    return
                 raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
 
             t = best_t
@@ -620,9 +651,11 @@ class SVMemory:
                 return
             if kind == "c_margin":
                 g[c] = 0.0
-                status[c] = MARGIN
-                self._grow(c)
-                return
+                if self._grow(c):
+                    status[c] = MARGIN
+                    return
+                c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
+                continue
             if kind == "S_to_E":
                 alpha[j] = box[j]
                 self._shrink(self._S.index(j))
@@ -633,28 +666,33 @@ class SVMemory:
                 status[j] = RESERVE
             else:
                 g[j] = 0.0
-                status[j] = MARGIN
-                self._grow(j)
+                if self._grow(j):
+                    status[j] = MARGIN
+                else:
+                    frozen[j] = True
         self.guard_events_["iteration_cap"] += 1
         raise SolverError("the incremental/decremental path did not terminate")
 
     def _grow(self, j):
-        """Append atom j to the margin set, updating the bordered inverse by a rank-one step."""
+        """Append atom j to the margin set by a rank-one update of the bordered inverse.
+
+        Returns False, leaving everything unchanged, when the Schur pivot fails the relative test: j's kernel
+        column is then numerically dependent on the margin set's.
+        """
         S = np.asarray(self._S, dtype=np.int64)
         if not len(S):
             self._S = [j]
             self._Rinv = np.array([[-2.0 * self._K[j, j], 1.0], [1.0, 0.0]])
-            return
+            return True
         v = np.empty(len(S) + 1)
         v[0] = 1.0
         v[1:] = 2.0 * self._K[S, j]
         beta = -(self._Rinv @ v)
         pivot = 2.0 * self._K[j, j] + v @ beta
-        self._S.append(j)
         if abs(pivot) <= self._REL_PIVOT * (abs(2.0 * self._K[j, j]) + abs(v @ beta)) or abs(pivot) <= 1e-12:
-            self.guard_events_["small_pivot"] += 1
-            self._refactor()
-            return
+            self.guard_events_["refused_dependent"] += 1
+            return False
+        self._S.append(j)
         m = len(S) + 1
         R = np.zeros((m + 1, m + 1))
         R[:m, :m] = self._Rinv
@@ -662,6 +700,7 @@ class SVMemory:
         R += np.outer(b, b) / pivot
         self._Rinv = R
         self._after_update()
+        return True
 
     def _shrink(self, pos):
         """Remove the margin atom at position ``pos`` of the margin list from the bordered inverse."""
@@ -710,20 +749,27 @@ class SVMemory:
         if exclude is not None:
             keep[exclude] = False
         idx = np.flatnonzero(keep)
-        S = np.asarray(self._S, dtype=np.int64)
         box = self._box()[:n].astype(np.float64)
-        E = idx[self._status[idx] == BOUND]
-        self._alpha[E] = box[E]
-        self._alpha[idx[self._status[idx] == RESERVE]] = 0.0
         diag = np.full(n, self._diag)
-        if len(S):
-            M = bordered_matrix(self._K, S)
-            rhs = bordered_rhs(self._K, diag, box, S, E)
-            u = self._Rinv @ rhs
-            u += self._Rinv @ (rhs - M @ u)
-            self.rho_ = float(u[0])
-            self._alpha[S] = u[1:]
-        else:
+        while True:
+            S = np.asarray(self._S, dtype=np.int64)
+            E = idx[self._status[idx] == BOUND]
+            self._alpha[E] = box[E]
+            self._alpha[idx[self._status[idx] == RESERVE]] = 0.0
+            if len(S):
+                M = bordered_matrix(self._K, S)
+                rhs = bordered_rhs(self._K, diag, box, S, E)
+                u = self._Rinv @ rhs
+                u += self._Rinv @ (rhs - M @ u)
+                self.rho_ = float(u[0])
+                self._alpha[S] = u[1:]
+            to_r, to_e = degenerate_margin(self._alpha[:n], box, self._status[:n])
+            if not (to_r.any() or to_e.any()):
+                break
+            for j in np.flatnonzero(to_r | to_e):
+                self._shrink(self._S.index(j))
+                self._status[j] = RESERVE if to_r[j] else BOUND
+        if not len(S):
             self.rho_ = midpoint_rho(self._K[np.ix_(idx, idx)], self._alpha[idx], self._status[idx],
                                      diag[idx])
         self._g[:n] = self._exact_g()
