@@ -1,0 +1,131 @@
+"""Certified eviction (bit-for-bit unchanged outputs) and the memory's error paths."""
+import numpy as np
+import pytest
+
+from memory import (InfeasibleError, InvalidKeyError, NotCertifiableError, SVMemory, UnknownTokenError,
+                    verify_against_refit)
+
+
+@pytest.fixture
+def filled():
+    rng = np.random.default_rng(11)
+    mem = SVMemory(C=1 / 6, gamma=0.6)
+    X = rng.standard_normal((60, 3))
+    V = rng.standard_normal((60, 2))
+    ids = [mem.add(x, v) for x, v in zip(X, V)]
+    return mem, ids, rng
+
+
+def test_evicting_a_reserve_token_changes_no_output_bit_for_bit(filled):
+    mem, ids, rng = filled
+    Q = rng.standard_normal((40, 3))
+    reserve = sorted(mem.partition().reserve)
+    assert len(reserve) > 10
+    for tid in reserve[:10]:
+        before_read, before_g = mem.read(Q), mem.decision_function(Q)
+        cert = mem.certify_eviction(tid)
+        assert cert.alpha == 0.0 and cert.decision_value >= 0.0 and cert.rho_pinned
+        assert cert.kkt_residual_after <= 1e-10
+        assert cert.digest_before != cert.digest_after
+        mem.evict(tid, cert)
+        assert tid not in mem
+        assert np.array_equal(mem.read(Q), before_read)
+        assert np.array_equal(mem.decision_function(Q), before_g)
+        assert mem.state_digest() == cert.digest_after
+    rep = verify_against_refit(mem)
+    assert rep.max_dev <= 1e-8 and rep.nondegenerate_mismatches == 0
+
+
+def test_only_reserve_tokens_are_certifiable(filled):
+    mem, _, _ = filled
+    part = mem.partition()
+    for tid in list(part.margin)[:3] + list(part.bound)[:3]:
+        with pytest.raises(NotCertifiableError, match="only reserve tokens"):
+            mem.certify_eviction(tid)
+
+
+def test_a_certificate_from_another_state_is_refused(filled):
+    mem, ids, rng = filled
+    r1, r2 = sorted(mem.partition().reserve)[:2]
+    cert = mem.certify_eviction(r1)
+    mem.add(rng.standard_normal(3) * 5, [0.0, 0.0])  # the state changes
+    with pytest.raises(NotCertifiableError, match="does not belong"):
+        mem.evict(r1, cert)
+    with pytest.raises(NotCertifiableError):
+        mem.evict(r2, cert)
+    assert r1 in mem and r2 in mem
+
+
+def test_constructor_rejects_bad_C():
+    for C in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InfeasibleError, match="C must be a positive finite number"):
+            SVMemory(C=C)
+    with pytest.raises(ValueError, match="kernel"):
+        SVMemory(C=0.5, kernel="linear")
+    with pytest.raises(ValueError, match="gamma"):
+        SVMemory(C=0.5, gamma=-1)
+
+
+def test_infeasible_until_enough_tokens_and_removals_that_would_break_it():
+    mem = SVMemory(C=1 / 4)
+    for i in range(3):
+        mem.add([float(i), 0.0])
+    assert not mem.is_feasible
+    with pytest.raises(InfeasibleError, match=r"needs at least 4"):
+        mem.decision_function([0.0, 0.0])
+    last = mem.add([3.0, 0.0])
+    assert mem.is_feasible
+    assert sum(mem.alpha_.values()) == pytest.approx(1.0)
+    with pytest.raises(InfeasibleError, match="would leave 3 tokens"):
+        mem.remove(last)
+    with pytest.raises(InfeasibleError):
+        mem.remove_many([last])
+    assert mem.n_tokens == 4 and mem.kkt_residual() <= 1e-12
+
+
+def test_bad_keys_values_and_ids():
+    mem = SVMemory(C=0.5)
+    mem.add([0.0, 1.0])
+    with pytest.raises(InvalidKeyError, match="non-finite"):
+        mem.add([np.nan, 1.0])
+    with pytest.raises(InvalidKeyError, match="non-finite"):
+        mem.add([np.inf, 1.0])
+    with pytest.raises(InvalidKeyError, match="dimension 3"):
+        mem.add([0.0, 1.0, 2.0])
+    with pytest.raises(InvalidKeyError, match="1-D"):
+        mem.add([[0.0, 1.0]])
+    with pytest.raises(InvalidKeyError, match="numeric"):
+        mem.add(["a", "b"])
+    with pytest.raises(InvalidKeyError, match="value"):
+        mem.add([1.0, 1.0], value=[np.nan])
+    with pytest.raises(ValueError, match="already stored"):
+        mem.add([2.0, 2.0], token_id=0)
+    with pytest.raises(UnknownTokenError, match="unknown token id 99"):
+        mem.remove(99)
+    with pytest.raises(UnknownTokenError):
+        mem.certify_eviction("nope")
+    assert mem.n_tokens == 1
+
+
+def test_removing_the_last_token_is_refused():
+    mem = SVMemory(C=1.0)
+    t = mem.add([0.0])
+    with pytest.raises(InfeasibleError, match="last token"):
+        mem.remove(t)
+    assert mem.n_tokens == 1
+
+
+def test_user_token_ids_and_duplicate_copies_are_removed_exactly():
+    mem = SVMemory(C=1 / 4, gamma=1.0)
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((12, 2))
+    for i, x in enumerate(X):
+        mem.add(x, token_id=f"e{i}")
+    for i in range(6):  # copies of keys already stored
+        mem.add(X[i], token_id=f"dup{i}")
+    assert mem.n_atoms == 12 and mem.n_tokens == 18
+    for i in range(6):
+        mem.remove(f"e{i}")
+        rep = verify_against_refit(mem)
+        assert rep.max_dev <= 1e-8 and rep.kkt_residual_memory <= 1e-10
+    assert mem.n_atoms == 12 and mem.n_tokens == 12
