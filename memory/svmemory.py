@@ -505,7 +505,8 @@ class SVMemory:
     def _exact_g(self):
         n = self._n
         act = np.flatnonzero(self._alpha[:n])
-        return self.rho_ - self._diag + 2.0 * (self._K[:n, act] @ self._alpha[act])
+        # K is symmetric; gathering rows (contiguous) instead of columns is several times faster at n ~ 1e3.
+        return self.rho_ - self._diag + 2.0 * (self._alpha[act] @ self._K[act, :n])
 
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
@@ -584,7 +585,7 @@ class SVMemory:
                 v[0] = 1.0
                 v[1:] = 2.0 * K[S, c]
                 beta = -(self._Rinv @ v)
-                rate_g = s * (2.0 * K[:n, c] + beta[0] + 2.0 * (K[:n, S] @ beta[1:]))
+                rate_g = s * (2.0 * K[c, :n] + beta[0] + 2.0 * (beta[1:] @ K[S, :n]))  # rows: K is symmetric
                 rate_g[S] = 0.0
                 rate_a = s * beta[1:]
                 rate_rho, rate_c = s * beta[0], s
