@@ -1,0 +1,275 @@
+"""Deterministic generator of a MIMIC-IV-shaped directory: the embedded default data of the main job.
+
+Writes ``hosp/`` and ``icu/`` with the real tables' file names and headers (patients, admissions, transfers,
+labevents, d_labitems, icustays, chartevents, inputevents, outputevents, procedureevents, d_items), real item ids
+for the common vitals and labs, physiologically plausible values, stays that deteriorate (hypotension, hypoxia,
+rising lactate, vasopressor start, invasive ventilation, death) and a few rare items. Same seed, same bytes.
+"""
+import gzip
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+
+# itemid: (label, unit, normal mean, normal sd, low clip, high clip)
+VITALS = {
+    220045: ("Heart Rate", "bpm", 85, 12, 30, 200),
+    220179: ("Non Invasive Blood Pressure systolic", "mmHg", 120, 15, 50, 230),
+    220180: ("Non Invasive Blood Pressure diastolic", "mmHg", 65, 10, 25, 140),
+    220052: ("Arterial Blood Pressure mean", "mmHg", 80, 9, 30, 160),
+    220210: ("Respiratory Rate", "insp/min", 18, 3.5, 4, 50),
+    220277: ("O2 saturation pulseoxymetry", "%", 97, 1.6, 60, 100),
+    223762: ("Temperature Celsius", "°C", 37.0, 0.45, 33, 42),
+}
+LABS = {
+    50813: ("Lactate", "mmol/L", 1.4, 0.5, 0.3, 20, "Blood Gas"),
+    50912: ("Creatinine", "mg/dL", 1.0, 0.3, 0.2, 12, "Chemistry"),
+    51265: ("Platelet Count", "K/uL", 230, 60, 5, 900, "Hematology"),
+    50885: ("Bilirubin, Total", "mg/dL", 0.8, 0.3, 0.1, 30, "Chemistry"),
+    50971: ("Potassium", "mEq/L", 4.1, 0.4, 2.0, 8.0, "Chemistry"),
+    50983: ("Sodium", "mEq/L", 139, 3, 115, 165, "Chemistry"),
+    51301: ("White Blood Cells", "K/uL", 9, 3, 0.5, 60, "Hematology"),
+    51222: ("Hemoglobin", "g/dL", 11, 1.5, 4, 19, "Hematology"),
+    50802: ("Base Excess", "mEq/L", 0, 2.5, -25, 20, "Blood Gas"),
+}
+# Items that few stays ever see: the rare items of the default cohort.
+RARE_LABS = {
+    50878: ("Asparate Aminotransferase (AST)", "IU/L", 400, 150, 10, 5000, "Chemistry"),
+    50866: ("Ammonia", "umol/L", 90, 30, 5, 500, "Chemistry"),
+    51003: ("Troponin T", "ng/mL", 0.6, 0.3, 0.0, 25, "Chemistry"),
+}
+VASOPRESSORS = {221906: ("Norepinephrine", "mg"), 221289: ("Epinephrine", "mg"), 221749: ("Phenylephrine", "mg")}
+FLUIDS = {225158: ("NaCl 0.9%", "mL")}
+OUTPUTS = {226559: ("Foley", "mL")}
+PROCEDURES = {225792: ("Invasive Ventilation", "min"), 224385: ("Intubation", "None"),
+              225802: ("Dialysis - CRRT", "min")}
+CAREUNITS = ["Medical Intensive Care Unit (MICU)", "Surgical Intensive Care Unit (SICU)",
+             "Cardiac Vascular Intensive Care Unit (CVICU)"]
+WARDS = ["Medicine", "Emergency Department", "Med/Surg"]
+
+HEADERS = {
+    "hosp/patients": "subject_id,gender,anchor_age,anchor_year,anchor_year_group,dod",
+    "hosp/admissions": "subject_id,hadm_id,admittime,dischtime,deathtime,admission_type,admit_provider_id,"
+                       "admission_location,discharge_location,insurance,language,marital_status,race,edregtime,"
+                       "edouttime,hospital_expire_flag",
+    "hosp/transfers": "subject_id,hadm_id,transfer_id,eventtype,careunit,intime,outtime",
+    "hosp/d_labitems": "itemid,label,fluid,category",
+    "hosp/labevents": "labevent_id,subject_id,hadm_id,specimen_id,itemid,order_provider_id,charttime,storetime,"
+                      "value,valuenum,valueuom,ref_range_lower,ref_range_upper,flag,priority,comments",
+    "icu/icustays": "subject_id,hadm_id,stay_id,first_careunit,last_careunit,intime,outtime,los",
+    "icu/d_items": "itemid,label,abbreviation,linksto,category,unitname,param_type,lownormalvalue,highnormalvalue",
+    "icu/chartevents": "subject_id,hadm_id,stay_id,caregiver_id,charttime,storetime,itemid,value,valuenum,"
+                       "valueuom,warning",
+    "icu/inputevents": "subject_id,hadm_id,stay_id,caregiver_id,starttime,endtime,storetime,itemid,amount,"
+                       "amountuom,rate,rateuom,orderid,linkorderid,ordercategoryname,secondaryordercategoryname,"
+                       "ordercomponenttypedescription,ordercategorydescription,patientweight,totalamount,"
+                       "totalamountuom,isopenbag,continueinnextdept,statusdescription,originalamount,originalrate",
+    "icu/outputevents": "subject_id,hadm_id,stay_id,caregiver_id,charttime,storetime,itemid,value,valueuom",
+    "icu/procedureevents": "subject_id,hadm_id,stay_id,caregiver_id,starttime,endtime,storetime,itemid,value,"
+                           "valueuom,location,locationcategory,orderid,linkorderid,ordercategoryname,"
+                           "ordercategorydescription,patientweight,isopenbag,continueinnextdept,statusdescription,"
+                           "originalamount,originalrate",
+}
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    n_patients: int = 60
+    seed: int = 20260
+    deterioration_fraction: float = 0.45
+    min_stay_hours: int = 20
+    max_stay_hours: int = 96
+    compress: bool = True
+
+
+def _fmt(t):
+    return "" if t is None else t.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _num(x):
+    return "" if x is None else f"{x:.4g}"
+
+
+class _Tables:
+    def __init__(self):
+        self.rows = {k: [] for k in HEADERS}
+
+    def add(self, table, *values):
+        self.rows[table].append(",".join("" if v is None else str(v) for v in values))
+
+
+def _stay(tb, rng, subject_id, hadm_id, stay_id, intime, hours, deteriorates, dies, ids):
+    """One ICU stay's vitals, labs, inputs, outputs and procedures; returns the death time, if any."""
+    onset = intime + timedelta(hours=float(rng.uniform(0.4, 0.8) * hours)) if deteriorates else None
+    outtime = intime + timedelta(hours=hours)
+    death = None
+    if dies:
+        death = onset + timedelta(hours=float(rng.uniform(3, 10)))
+        outtime = min(outtime, death)
+    total_h = (outtime - intime).total_seconds() / 3600.0
+
+    def severity(t):
+        if onset is None or t < onset:
+            return 0.0
+        return min(1.0, (t - onset).total_seconds() / 3600.0 / 4.0)  # ramps over four hours
+
+    t = intime + timedelta(minutes=int(rng.integers(5, 40)))
+    while t < outtime:
+        s = severity(t)
+        for itemid, (_, unit, mu, sd, lo, hi) in VITALS.items():
+            if itemid == 220180 and rng.random() < 0.3:
+                continue
+            v = rng.normal(mu, sd)
+            if itemid == 220052:
+                v -= 28 * s
+            elif itemid == 220179:
+                v -= 40 * s
+            elif itemid == 220277:
+                v -= 11 * s
+            elif itemid == 220045:
+                v += 35 * s
+            elif itemid == 220210:
+                v += 12 * s
+            v = float(np.clip(v, lo, hi))
+            ct = t + timedelta(minutes=int(rng.integers(0, 5)))
+            tb.add("icu/chartevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)), _fmt(ct),
+                   _fmt(ct + timedelta(minutes=7)), itemid, _num(v), _num(v), unit, 0)
+        t += timedelta(minutes=int(rng.choice([30, 60, 60, 60, 120])))
+
+    t = intime + timedelta(hours=float(rng.uniform(0.2, 2)))
+    while t < outtime:
+        s = severity(t)
+        spec = int(next(ids["specimen"]))
+        for itemid, (_, unit, mu, sd, lo, hi, _) in LABS.items():
+            v = rng.normal(mu, sd)
+            if itemid == 50813:
+                v += 5.0 * s
+            elif itemid == 50912:
+                v += 1.2 * s
+            elif itemid == 50802:
+                v -= 8 * s
+            v = float(np.clip(v, lo, hi))
+            tb.add("hosp/labevents", next(ids["labevent"]), subject_id, hadm_id, spec, itemid, "", _fmt(t),
+                   _fmt(t + timedelta(minutes=50)), _num(v), _num(v), unit, "", "", "", "ROUTINE", "")
+        t += timedelta(hours=float(rng.choice([4, 6, 8, 12])))
+    if rng.random() < 0.12:
+        itemid = int(rng.choice(list(RARE_LABS)))
+        _, unit, mu, sd, lo, hi, _ = RARE_LABS[itemid]
+        rt = intime + timedelta(hours=float(rng.uniform(0.5, max(total_h - 0.5, 0.6))))
+        v = float(np.clip(rng.normal(mu, sd), lo, hi))
+        tb.add("hosp/labevents", next(ids["labevent"]), subject_id, hadm_id, int(next(ids["specimen"])), itemid,
+               "", _fmt(rt), _fmt(rt + timedelta(minutes=50)), _num(v), _num(v), unit, "", "", "abnormal",
+               "STAT", "")
+
+    t = intime + timedelta(hours=1)
+    while t < outtime:
+        v = float(max(0.0, rng.normal(80 - 50 * severity(t), 25)))
+        tb.add("icu/outputevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)), _fmt(t),
+               _fmt(t + timedelta(minutes=3)), 226559, _num(v), "mL")
+        t += timedelta(hours=float(rng.choice([1, 2, 3])))
+    for k in range(int(rng.integers(1, 4))):
+        st = intime + timedelta(hours=float(rng.uniform(0, max(total_h - 1, 0.5))))
+        et = min(st + timedelta(hours=float(rng.uniform(0.5, 3))), outtime)
+        _input(tb, rng, subject_id, hadm_id, stay_id, st, et, 225158, float(rng.uniform(100, 1000)), "mL", ids)
+
+    if onset is not None:
+        # Deterioration: vasopressor start within 1-3 h of onset, ventilation in some, CRRT rarely.
+        vt = onset + timedelta(hours=float(rng.uniform(1, 3)))
+        if vt < outtime:
+            itemid = int(rng.choice(list(VASOPRESSORS), p=[0.7, 0.15, 0.15]))
+            _input(tb, rng, subject_id, hadm_id, stay_id, vt, outtime, itemid, float(rng.uniform(0.5, 8)),
+                   "mg", ids)
+        if rng.random() < 0.6:
+            it = onset + timedelta(hours=float(rng.uniform(0.5, 4)))
+            if it < outtime:
+                for itemid in (224385, 225792):
+                    end = outtime if itemid == 225792 else it + timedelta(minutes=1)
+                    dur = (end - it).total_seconds() / 60.0
+                    tb.add("icu/procedureevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)),
+                           _fmt(it), _fmt(end), _fmt(it + timedelta(minutes=10)), itemid, _num(dur), "min",
+                           "", "", next(ids["order"]), "", "Ventilation", "Task", "80", 0, "", "FinishedRunning",
+                           1, 1)
+        if rng.random() < 0.1:
+            ct = onset + timedelta(hours=2)
+            if ct < outtime:
+                dur = (outtime - ct).total_seconds() / 60.0
+                tb.add("icu/procedureevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)),
+                       _fmt(ct), _fmt(outtime), _fmt(ct + timedelta(minutes=10)), 225802, _num(dur), "min",
+                       "", "", next(ids["order"]), "", "Dialysis", "Task", "80", 0, "", "FinishedRunning", 1, 1)
+    return outtime, death
+
+
+def _input(tb, rng, subject_id, hadm_id, stay_id, st, et, itemid, amount, unit, ids):
+    hours = max((et - st).total_seconds() / 3600.0, 1e-3)
+    tb.add("icu/inputevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)), _fmt(st), _fmt(et),
+           _fmt(st + timedelta(minutes=5)), itemid, _num(amount), unit, _num(amount / hours), f"{unit}/hour",
+           next(ids["order"]), "", "01-Drips", "", "Main order parameter", "Continuous Med", "80", _num(amount),
+           unit, 0, 0, "FinishedRunning", _num(amount), _num(amount / hours))
+
+
+def generate(out_dir, config=GeneratorConfig()):
+    """Write the MIMIC-IV-shaped directory into ``out_dir``; returns its path."""
+    out = Path(out_dir)
+    rng = np.random.default_rng(config.seed)
+    tb = _Tables()
+    counters = {k: iter(range(start, 10**12)) for k, start in
+                (("labevent", 1), ("specimen", 10_000_000), ("order", 100_000), ("transfer", 30_000_000))}
+    for i in range(config.n_patients):
+        subject_id = 10_000_000 + 37 * i + 1
+        hadm_id = 20_000_000 + 53 * i + 3
+        stay_id = 30_000_000 + 71 * i + 5
+        age = int(rng.integers(16, 91))  # a few minors: the cohort keeps adults only
+        anchor_year = int(rng.integers(2110, 2190))
+        admit = datetime(anchor_year, 1, 1) + timedelta(days=int(rng.integers(0, 360)),
+                                                        minutes=int(rng.integers(0, 1440)))
+        deteriorates = rng.random() < config.deterioration_fraction
+        dies = deteriorates and rng.random() < 0.3
+        hours = int(rng.integers(config.min_stay_hours, config.max_stay_hours + 1))
+        if rng.random() < 0.08:
+            hours = int(rng.integers(3, 10))  # short stays: excluded by the cohort's minimum length
+        ward_hours = float(rng.uniform(2, 30))
+        intime = admit + timedelta(hours=ward_hours)
+        outtime, death = _stay(tb, rng, subject_id, hadm_id, stay_id, intime, hours, deteriorates, dies,
+                               counters)
+        disch = death if death else outtime + timedelta(hours=float(rng.uniform(12, 96)))
+        unit = CAREUNITS[int(rng.integers(len(CAREUNITS)))]
+        ward = WARDS[int(rng.integers(len(WARDS)))]
+        tb.add("hosp/patients", subject_id, "MF"[int(rng.integers(2))], age, anchor_year,
+               f"{anchor_year - anchor_year % 3} - {anchor_year - anchor_year % 3 + 2}",
+               death.strftime("%Y-%m-%d") if death else "")
+        tb.add("hosp/admissions", subject_id, hadm_id, _fmt(admit), _fmt(disch), _fmt(death), "EW EMER.", "P00001",
+               "EMERGENCY ROOM", "DIED" if death else "HOME", "Medicare", "ENGLISH", "SINGLE", "WHITE",
+               _fmt(admit), _fmt(admit + timedelta(hours=2)), int(death is not None))
+        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "admit", ward, _fmt(admit),
+               _fmt(intime))
+        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "transfer", unit, _fmt(intime),
+               _fmt(outtime))
+        if death is None:
+            tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "transfer", ward,
+                   _fmt(outtime), _fmt(disch))
+        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "discharge", "", _fmt(disch), "")
+        los = (outtime - intime).total_seconds() / 86400.0
+        tb.add("icu/icustays", subject_id, hadm_id, stay_id, unit, unit, _fmt(intime), _fmt(outtime), f"{los:.6f}")
+
+    for itemid, (label, _, _, _, _, _, cat) in {**LABS, **RARE_LABS}.items():
+        tb.add("hosp/d_labitems", itemid, f'"{label}"', "Blood", cat)
+    for itemid, (label, unit, *_rest) in VITALS.items():
+        tb.add("icu/d_items", itemid, f'"{label}"', "", "chartevents", "Routine Vital Signs", unit, "Numeric", "", "")
+    for group, linksto, cat in ((VASOPRESSORS, "inputevents", "Medications"), (FLUIDS, "inputevents", "Fluids"),
+                                (OUTPUTS, "outputevents", "Output"), (PROCEDURES, "procedureevents", "Procedures")):
+        for itemid, (label, unit) in group.items():
+            tb.add("icu/d_items", itemid, f'"{label}"', "", linksto, cat, unit, "Solution", "", "")
+
+    for table, header in HEADERS.items():
+        path = out / f"{table}.csv{'.gz' if config.compress else ''}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "\n".join([header, *tb.rows[table]]) + "\n"
+        if config.compress:
+            # mtime=0: identical bytes on every run
+            with open(path, "wb") as fh, gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz:
+                gz.write(text.encode())
+        else:
+            path.write_text(text)
+    return out
+
