@@ -1,0 +1,390 @@
+"""Extraction of a MIMIC-IV directory (``hosp/``, ``icu/``; ``.csv`` or ``.csv.gz``) into a parquet event store.
+
+Store layout (``out/``)::
+
+    events/bucket=K/run-<id>.parquet   MEDS-style rows of subjects with subject_id % N_BUCKETS == K, sorted by
+                                       (subject_id, time); one patient's stream is read from one bucket
+    quarantine/run-<id>.parquet        rejected rows with the rule that rejected them (never silently dropped)
+    codes.parquet                      code, description, source_table, count
+    manifest.json                      per source file: size, mtime, sha256, rows seen; and the run history
+
+Event columns: subject_id, time, code, numeric_value, text_value, unit, hadm_id, stay_id, source_table,
+event_hash, occurrence.
+
+Incremental runs: a source file whose size, mtime and sha256 match the manifest is skipped. A changed file is
+re-read in full, and only rows whose (event_hash, occurrence) pair is not already in the store (or in the
+quarantine) are written: ``event_hash`` is the md5 of the row's content, ``occurrence`` numbers repeats of
+identical rows, so appended rows are added once and a re-run never double-counts.
+
+Out of core: DuckDB runs with ``memory_limit`` and ``temp_directory`` set and spills its sorts; nothing is
+collected into Python.
+"""
+import hashlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+N_BUCKETS = 16
+
+# table -> (folder, required columns)
+TABLES = {
+    "patients": ("hosp", ["subject_id", "gender", "anchor_age", "anchor_year", "dod"]),
+    "admissions": ("hosp", ["subject_id", "hadm_id", "admittime", "dischtime", "deathtime"]),
+    "transfers": ("hosp", ["subject_id", "hadm_id", "eventtype", "careunit", "intime"]),
+    "labevents": ("hosp", ["subject_id", "hadm_id", "itemid", "charttime", "value", "valuenum", "valueuom"]),
+    "d_labitems": ("hosp", ["itemid", "label"]),
+    "icustays": ("icu", ["subject_id", "hadm_id", "stay_id", "first_careunit", "intime", "outtime"]),
+    "chartevents": ("icu", ["subject_id", "hadm_id", "stay_id", "charttime", "itemid", "value", "valuenum",
+                            "valueuom"]),
+    "inputevents": ("icu", ["subject_id", "hadm_id", "stay_id", "starttime", "itemid", "amount", "amountuom"]),
+    "outputevents": ("icu", ["subject_id", "hadm_id", "stay_id", "charttime", "itemid", "value", "valueuom"]),
+    "procedureevents": ("icu", ["subject_id", "hadm_id", "stay_id", "starttime", "itemid", "value", "valueuom"]),
+    "d_items": ("icu", ["itemid", "label", "linksto"]),
+}
+REQUIRED_TABLES = ("patients", "admissions", "icustays")
+EVENT_TABLES = ("admissions", "transfers", "icustays", "labevents", "chartevents", "inputevents", "outputevents",
+                "procedureevents")
+
+# Items whose values may legitimately be negative (base excess, net balances); every other measured value of
+# these sources is quarantined when negative.
+SIGNED_ITEMS = {50802, 224828, 226627, 226631, 227489, 51466}
+NONNEGATIVE_SOURCES = ("chartevents", "labevents", "outputevents", "inputevents")
+# Events charted slightly outside their ICU stay (documentation delay) are common in MIMIC-IV; beyond this
+# tolerance they are quarantined as outside their stay.
+STAY_TOLERANCE_HOURS = 6
+
+EVENT_COLUMNS = ["subject_id", "time", "code", "numeric_value", "text_value", "unit", "hadm_id", "stay_id",
+                 "source_table", "event_hash", "occurrence"]
+
+
+class ExtractionError(ValueError):
+    """The source directory cannot be extracted as it is (missing table or column)."""
+
+
+@dataclass
+class ExtractSummary:
+    source: str
+    out: str
+    run_id: str
+    tables: dict = field(default_factory=dict)   # table -> {rows, events, quarantined{reason: n}, new, skipped}
+    missing_tables: list = field(default_factory=list)
+    new_events: int = 0
+    total_events: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+def find_table(source, name):
+    folder, _ = TABLES[name]
+    for ext in (".csv.gz", ".csv"):
+        p = Path(source) / folder / f"{name}{ext}"
+        if p.exists():
+            return p
+    return None
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _header(con, path):
+    rel = con.sql(f"SELECT * FROM read_csv('{path}', header=true, all_varchar=true) LIMIT 0")
+    return [c.lower() for c in rel.columns]
+
+
+def _ts(col):
+    return f"TRY_CAST(NULLIF({col}, '') AS TIMESTAMP)"
+
+
+def _int(col):
+    return f"TRY_CAST(NULLIF({col}, '') AS BIGINT)"
+
+
+def _dbl(col):
+    return f"TRY_CAST(NULLIF({col}, '') AS DOUBLE)"
+
+
+def _txt(col):
+    return f"NULLIF({col}, '')"
+
+
+def _event_selects(table):
+    """SELECT lists producing (subject_id, raw_time, time, code, numeric_value, text_value, unit, hadm_id,
+    stay_id, raw_numeric) from the raw all-varchar table ``t``."""
+    def sel(time_col, code, num, text, unit, stay="stay_id", hadm="hadm_id"):
+        return (f"SELECT {_int('subject_id')} AS subject_id, {time_col} AS raw_time, {_ts(time_col)} AS time, "
+                f"{code} AS code, {_dbl(num) if num else 'NULL::DOUBLE'} AS numeric_value, "
+                f"{text if text else 'NULL::VARCHAR'} AS text_value, {unit if unit else 'NULL::VARCHAR'} AS unit, "
+                f"{_int(hadm) if hadm else 'NULL::BIGINT'} AS hadm_id, "
+                f"{_int(stay) if stay else 'NULL::BIGINT'} AS stay_id, "
+                f"{num if num else 'NULL::VARCHAR'} AS raw_numeric FROM t")
+    if table == "chartevents":
+        return [sel("charttime", "'CHART//' || itemid", "valuenum",
+                    f"CASE WHEN {_dbl('valuenum')} IS NULL THEN {_txt('value')} END", _txt("valueuom"))]
+    if table == "labevents":
+        return [sel("charttime", "'LAB//' || itemid", "valuenum",
+                    f"CASE WHEN {_dbl('valuenum')} IS NULL THEN {_txt('value')} END", _txt("valueuom"), stay=None)]
+    if table == "inputevents":
+        return [sel("starttime", "'INPUT//' || itemid", "amount", None, _txt("amountuom"))]
+    if table == "outputevents":
+        return [sel("charttime", "'OUTPUT//' || itemid", "value", None, _txt("valueuom"))]
+    if table == "procedureevents":
+        return [sel("starttime", "'PROCEDURE//' || itemid", "value", None, _txt("valueuom"))]
+    if table == "transfers":
+        return [sel("intime", "'TRANSFER//' || COALESCE(NULLIF(careunit, ''), eventtype)", None, None, None,
+                    stay=None)]
+    if table == "admissions":
+        return [sel("admittime", "'HOSPITAL_ADMISSION'", None, None, None, stay=None),
+                sel("dischtime", "'HOSPITAL_DISCHARGE'", None, None, None, stay=None),
+                sel("deathtime", "'DEATH'", None, None, None, stay=None) + " WHERE NULLIF(deathtime, '') IS NOT NULL"]
+    if table == "icustays":
+        return [sel("intime", "'ICU_ADMISSION//' || first_careunit", None, None, None),
+                sel("outtime", "'ICU_DISCHARGE'", None, None, None)]
+    raise KeyError(table)
+
+
+def _quarantine_reason():
+    signed = ", ".join(f"'LAB//{i}', 'CHART//{i}', 'OUTPUT//{i}', 'INPUT//{i}'" for i in sorted(SIGNED_ITEMS))
+    nonneg = ", ".join(f"'{s}'" for s in NONNEGATIVE_SOURCES)
+    tol = f"INTERVAL {STAY_TOLERANCE_HOURS} HOUR"
+    return f"""CASE
+        WHEN e.subject_id IS NULL THEN 'bad_subject_id'
+        WHEN e.raw_time IS NULL OR e.raw_time = '' THEN 'missing_time'
+        WHEN e.time IS NULL THEN 'unparsable_time'
+        WHEN e.raw_numeric IS NOT NULL AND e.raw_numeric <> '' AND e.numeric_value IS NULL THEN 'unparsable_value'
+        WHEN isnan(e.numeric_value) THEN 'nan_value'
+        WHEN e.numeric_value < 0 AND e.source_table IN ({nonneg}) AND e.code NOT IN ({signed}) THEN 'negative_value'
+        WHEN e.stay_id IS NOT NULL AND s.stay_id IS NULL THEN 'unknown_stay'
+        WHEN e.stay_id IS NOT NULL AND e.source_table <> 'icustays'
+             AND (e.time < s.intime - {tol} OR e.time > s.outtime + {tol}) THEN 'outside_stay'
+    END"""
+
+
+def connect(workdir, memory_limit="4GB", threads=None):
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    con = duckdb.connect(str(workdir / "extract.duckdb"))
+    con.execute(f"SET memory_limit='{memory_limit}'")
+    con.execute(f"SET temp_directory='{workdir / 'spill'}'")
+    con.execute("SET preserve_insertion_order=false")
+    if threads:
+        con.execute(f"SET threads={int(threads)}")
+    return con
+
+
+def _check_source(con, source):
+    source = Path(source)
+    if not source.is_dir():
+        raise ExtractionError(f"source directory {source} does not exist")
+    paths, missing = {}, []
+    for name, (folder, required) in TABLES.items():
+        p = find_table(source, name)
+        if p is None:
+            missing.append(f"{folder}/{name}")
+            continue
+        cols = _header(con, p)
+        absent = [c for c in required if c not in cols]
+        if absent:
+            raise ExtractionError(f"{folder}/{p.name} lacks required column(s) {absent}")
+        paths[name] = p
+    lacking = [f"{TABLES[t][0]}/{t}" for t in REQUIRED_TABLES if t not in paths]
+    if lacking:
+        raise ExtractionError(f"source {source} lacks required table(s) {lacking} (.csv or .csv.gz)")
+    if not any(t in paths for t in EVENT_TABLES if t not in REQUIRED_TABLES):
+        raise ExtractionError(f"source {source} has no event table (one of labevents, chartevents, ...)")
+    return paths, missing
+
+
+def _load_manifest(out):
+    p = Path(out) / "manifest.json"
+    return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
+
+
+def extract(source, out, memory_limit="4GB", threads=None):
+    """Extract (or incrementally update) the event store in ``out`` from the MIMIC-IV directory ``source``.
+
+    Returns an :class:`ExtractSummary`; rows rejected by a rule land in ``quarantine/`` with their reason and
+    are counted per table and reason.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
+    try:
+        paths, missing = _check_source(con, source)
+        manifest = _load_manifest(out)
+        summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
+
+        con.execute(f"CREATE OR REPLACE TEMP TABLE stays AS SELECT {_int('stay_id')} AS stay_id, "
+                    f"{_int('subject_id')} AS subject_id, {_ts('intime')} AS intime, {_ts('outtime')} AS outtime "
+                    f"FROM read_csv('{paths['icustays']}', header=true, all_varchar=true)")
+        changed = {}
+        for table in EVENT_TABLES:
+            if table not in paths:
+                continue
+            p = paths[table]
+            st = p.stat()
+            digest = _sha256(p)
+            prev = manifest["files"].get(table)
+            unchanged = prev and prev["sha256"] == digest and prev["size"] == st.st_size
+            changed[table] = {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            if unchanged:
+                summary.tables[table] = {"skipped": True, "rows": prev["rows"]}
+                del changed[table]
+
+        con.execute("CREATE OR REPLACE TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
+                    "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
+                    "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
+        for table, info in changed.items():
+            con.execute(f"CREATE OR REPLACE TEMP VIEW t AS SELECT * FROM read_csv('{info['path']}', header=true, "
+                        f"all_varchar=true)")
+            info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
+            for q in _event_selects(table):
+                con.execute(f"INSERT INTO staged SELECT *, '{table}' FROM ({q})")
+
+        # Labs carry no stay_id: give them the ICU stay whose window contains them.
+        con.execute("""UPDATE staged SET stay_id = s.stay_id FROM stays s
+                       WHERE staged.source_table = 'labevents' AND staged.stay_id IS NULL
+                         AND staged.subject_id = s.subject_id AND staged.time >= s.intime
+                         AND staged.time <= s.outtime""")
+        con.execute(f"""CREATE OR REPLACE TABLE judged AS
+            SELECT e.*, {_quarantine_reason()} AS reason,
+                   md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, e.code, e.raw_numeric,
+                                        e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
+            FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
+        con.execute("""CREATE OR REPLACE TABLE judged2 AS SELECT *,
+                       row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
+
+        events_glob = out / "events" / "*" / "*.parquet"
+        quarantine_glob = out / "quarantine" / "*.parquet"
+        have_events = any((out / "events").glob("*/*.parquet"))
+        have_quar = any((out / "quarantine").glob("*.parquet"))
+        seen = []
+        if have_events:
+            seen.append(f"SELECT event_hash, occurrence FROM read_parquet('{events_glob}')")
+        if have_quar:
+            seen.append(f"SELECT event_hash, occurrence FROM read_parquet('{quarantine_glob}')")
+        anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
+                f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
+        con.execute(f"CREATE OR REPLACE TABLE fresh AS SELECT * FROM judged2 j WHERE TRUE {anti}")
+
+        n_new = con.execute("SELECT count(*) FROM fresh WHERE reason IS NULL").fetchall()[0][0]
+        if n_new:
+            tmp = out / "events" / f".tmp-{run_id}"
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            con.execute(f"""COPY (SELECT subject_id, time, code, numeric_value, text_value, unit, hadm_id, stay_id,
+                                source_table, event_hash, occurrence, subject_id % {N_BUCKETS} AS bucket
+                         FROM fresh WHERE reason IS NULL ORDER BY subject_id, time, code)
+                         TO '{tmp}' (FORMAT parquet, PARTITION_BY (bucket), FILENAME_PATTERN 'run-{run_id}-{{i}}',
+                                     ROW_GROUP_SIZE 100000)""")
+            for part in tmp.iterdir():
+                dest = out / "events" / part.name
+                dest.mkdir(parents=True, exist_ok=True)
+                for f in part.iterdir():
+                    os.replace(f, dest / f.name)
+                part.rmdir()
+            tmp.rmdir()
+        n_quar = con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]
+        if n_quar:
+            (out / "quarantine").mkdir(exist_ok=True)
+            con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
+                                stay_id, source_table, reason, event_hash, occurrence FROM fresh
+                         WHERE reason IS NOT NULL) TO '{out / 'quarantine' / f'run-{run_id}.parquet'}'
+                         (FORMAT parquet)""")
+
+        stats = con.sql("""SELECT source_table, count(*) FILTER (WHERE reason IS NULL) AS events,
+                                  count(*) FILTER (WHERE reason IS NOT NULL) AS quarantined
+                           FROM judged2 GROUP BY ALL""").pl()
+        reasons = con.sql("SELECT source_table, reason, count(*) AS n FROM judged2 WHERE reason IS NOT NULL "
+                          "GROUP BY ALL").pl()
+        new = con.sql("SELECT source_table, count(*) AS n FROM fresh WHERE reason IS NULL GROUP BY ALL").pl()
+        for table, info in changed.items():
+            row = stats.filter(pl.col("source_table") == table)
+            summary.tables[table] = {
+                "skipped": False, "rows": info["rows"],
+                "events": int(row["events"].sum()), "quarantined_total": int(row["quarantined"].sum()),
+                "quarantined": {r["reason"]: int(r["n"]) for r in
+                                reasons.filter(pl.col("source_table") == table).iter_rows(named=True)},
+                "new_events": int(new.filter(pl.col("source_table") == table)["n"].sum()),
+            }
+            manifest["files"][table] = info
+        summary.new_events = int(n_new)
+        _write_codes(con, out, paths)
+        if any((out / "events").glob("*/*.parquet")):
+            summary.total_events = int(con.execute(
+                f"SELECT count(*) FROM read_parquet('{events_glob}')").fetchall()[0][0])
+        summary.seconds = time.perf_counter() - t0
+        manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events,
+                                 "tables": sorted(changed)})
+        _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
+        _atomic_write(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
+        return summary
+    finally:
+        con.close()
+
+
+def _atomic_write(path, text):
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_codes(con, out, paths):
+    """codes.parquet: every code in the store with its count and the description from d_items / d_labitems.
+
+    Counts come from DuckDB and descriptions are joined in Polars, handed over as Arrow without copying.
+    """
+    glob = out / "events" / "*" / "*.parquet"
+    if not any((out / "events").glob("*/*.parquet")):
+        return
+    counts = pl.from_arrow(con.sql(f"SELECT code, any_value(source_table) AS source_table, count(*) AS count "
+                                   f"FROM read_parquet('{glob}') GROUP BY code").arrow())
+    desc_frames = []
+    for table, prefixes in (("d_items", ("CHART", "INPUT", "OUTPUT", "PROCEDURE")), ("d_labitems", ("LAB",))):
+        if table in paths:
+            d = pl.from_arrow(con.sql(f"SELECT itemid, label FROM read_csv('{paths[table]}', header=true, "
+                                      f"all_varchar=true)").arrow())
+            for pre in prefixes:
+                desc_frames.append(d.select((pl.lit(pre + "//") + pl.col("itemid")).alias("code"),
+                                            pl.col("label").alias("description")))
+    codes = counts.lazy()
+    if desc_frames:
+        codes = codes.join(pl.concat(desc_frames).unique("code").lazy(), on="code", how="left")
+    codes.sort("code").collect().write_parquet(out / "codes.parquet")
+
+
+def scan_events(store):
+    """Lazy frame over the whole event store."""
+    return pl.scan_parquet(Path(store) / "events" / "*" / "*.parquet", hive_partitioning=True)
+
+
+class UnknownSubjectError(ExtractionError, KeyError):
+    """A subject id with no events in the store."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+def read_subject(store, subject_id):
+    """One patient's events in time order, reading only that patient's bucket."""
+    bucket = Path(store) / "events" / f"bucket={int(subject_id) % N_BUCKETS}"
+    frame = None
+    if bucket.exists() and any(bucket.glob("*.parquet")):
+        frame = (pl.scan_parquet(bucket / "*.parquet").filter(pl.col("subject_id") == int(subject_id))
+                 .sort(["time", "code"], maintain_order=True).collect())
+    if frame is None or frame.height == 0:
+        raise UnknownSubjectError(f"subject {subject_id} has no events in the store {store}")
+    return frame
