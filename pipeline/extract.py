@@ -323,6 +323,15 @@ def extract(source, out, memory_limit="4GB", threads=None):
             manifest["files"][table] = info
         summary.new_events = int(n_new)
         _write_codes(con, out, paths)
+        # Stay table for cohorts: icustays with the patient's anchor age (all stays, rewritten each run).
+        con.execute(f"""COPY (SELECT {_int('i.stay_id')} AS stay_id, {_int('i.subject_id')} AS subject_id,
+                            {_int('i.hadm_id')} AS hadm_id, i.first_careunit, {_ts('i.intime')} AS intime,
+                            {_ts('i.outtime')} AS outtime, {_int('p.anchor_age')} AS anchor_age
+                     FROM read_csv('{paths['icustays']}', header=true, all_varchar=true) i
+                     LEFT JOIN read_csv('{paths['patients']}', header=true, all_varchar=true) p
+                       ON i.subject_id = p.subject_id ORDER BY 2, 5)
+                     TO '{out / 'stays.parquet.tmp'}' (FORMAT parquet)""")
+        os.replace(out / "stays.parquet.tmp", out / "stays.parquet")
         if any((out / "events").glob("*/*.parquet")):
             summary.total_events = int(con.execute(
                 f"SELECT count(*) FROM read_parquet('{events_glob}')").fetchall()[0][0])
