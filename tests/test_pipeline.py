@@ -1,0 +1,197 @@
+"""Extraction, generator, cohorts, labels and keys on generated data (and on the MIMIC-IV demo where present)."""
+import gzip
+import shutil
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from cohorts.definitions import (build_cohort, deterioration_hours, is_eval_subject, label_events, load_config,
+                                 rare_codes, stay_events)
+from pipeline.extract import ExtractionError, UnknownSubjectError, extract, read_subject, scan_events
+from pipeline.generate import GeneratorConfig, generate
+from pipeline.keys import KEY_DIM, EventKeyer
+
+DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mimic-iv-demo"
+
+
+def csv_rows(path):
+    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as fh:
+        return sum(1 for _ in fh) - 1
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("src"), GeneratorConfig(n_patients=24, seed=5))
+
+
+@pytest.fixture(scope="module")
+def store(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("store")
+    return out, extract(source, out)
+
+
+def test_generator_is_deterministic(tmp_path):
+    a = generate(tmp_path / "a", GeneratorConfig(n_patients=5, seed=1))
+    b = generate(tmp_path / "b", GeneratorConfig(n_patients=5, seed=1))
+    for f in sorted(a.rglob("*.csv.gz")):
+        assert f.read_bytes() == (b / f.relative_to(a)).read_bytes()
+
+
+def test_row_counts_per_source_table_match_the_input(source, store):
+    _, summary = store
+    single_row_tables = ["transfers", "labevents", "chartevents", "inputevents", "outputevents", "procedureevents"]
+    for t in single_row_tables:
+        folder = "hosp" if t in ("transfers", "labevents") else "icu"
+        n = csv_rows(source / folder / f"{t}.csv.gz")
+        info = summary.tables[t]
+        assert info["rows"] == n
+        assert info["events"] + info["quarantined_total"] == n
+    counts = scan_events(store[0]).group_by("source_table").len().collect()
+    for t in single_row_tables:
+        assert counts.filter(pl.col("source_table") == t)["len"].item() == summary.tables[t]["events"]
+    # admissions: admission + discharge + one death per deceased patient
+    adm = pl.read_csv(source / "hosp" / "admissions.csv.gz", infer_schema_length=0)
+    deaths = adm.filter(pl.col("deathtime").is_not_null() & (pl.col("deathtime") != "")).height
+    assert summary.tables["admissions"]["events"] == 2 * adm.height + deaths
+
+
+def test_each_stream_comes_back_in_time_order(store):
+    out, _ = store
+    stays = pl.read_parquet(out / "stays.parquet")
+    for sid in stays["subject_id"].unique().to_list()[:8]:
+        ev = read_subject(out, sid)
+        assert ev["subject_id"].unique().to_list() == [sid]
+        assert ev["time"].is_sorted()
+    with pytest.raises(UnknownSubjectError, match="subject 1 has no events"):
+        read_subject(out, 1)
+
+
+def test_incremental_run_adds_only_new_rows(source, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    out = tmp_path / "out"
+    first = extract(src, out)
+    again = extract(src, out)
+    assert again.new_events == 0 and all(t["skipped"] for t in again.tables.values())
+    assert again.total_events == first.total_events
+    # append three chart rows (one an exact repeat of an existing row: a real second measurement)
+    path = src / "icu" / "chartevents.csv.gz"
+    lines = gzip.open(path, "rt").read().splitlines()
+    extra = [lines[1], lines[1].replace(",220045,", ",220210,"), lines[2]]
+    with gzip.open(path, "wt") as fh:
+        fh.write("\n".join(lines + extra) + "\n")
+    third = extract(src, out)
+    assert third.new_events == 3
+    assert third.tables["chartevents"]["new_events"] == 3
+    assert third.tables["labevents"]["skipped"]
+    assert third.total_events == first.total_events + 3
+    assert extract(src, out).new_events == 0
+
+
+def _write_gz(path, text):
+    with gzip.open(path, "wt") as fh:
+        fh.write(text)
+
+
+def test_missing_table_and_column_are_clear_errors(source, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    (src / "icu" / "icustays.csv.gz").unlink()
+    with pytest.raises(ExtractionError, match=r"lacks required table\(s\) \['icu/icustays'\]"):
+        extract(src, tmp_path / "o1")
+    shutil.copy(source / "icu" / "icustays.csv.gz", src / "icu" / "icustays.csv.gz")
+    lines = gzip.open(src / "icu" / "chartevents.csv.gz", "rt").read().splitlines()
+    _write_gz(src / "icu" / "chartevents.csv.gz",
+              "\n".join([lines[0].replace("valuenum", "vnum")] + lines[1:]) + "\n")
+    with pytest.raises(ExtractionError, match=r"chartevents.csv.gz lacks required column\(s\) \['valuenum'\]"):
+        extract(src, tmp_path / "o2")
+    assert not (tmp_path / "o2" / "events").exists()
+    with pytest.raises(ExtractionError, match="does not exist"):
+        extract(tmp_path / "nowhere", tmp_path / "o3")
+
+
+def test_bad_rows_are_quarantined_and_counted(source, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    lines = gzip.open(src / "icu" / "chartevents.csv.gz", "rt").read().splitlines()
+    f = lines[1].split(",")  # subject,hadm,stay,caregiver,charttime,storetime,itemid,value,valuenum,uom,warning
+    bad_time = f[:4] + ["20xx-13-45 99:00:00"] + f[5:]
+    negative = f[:6] + ["220045", "-12", "-12"] + f[9:]
+    nan_value = f[:6] + ["220045", "NaN", "NaN"] + f[9:]
+    outside = f[:4] + ["2300-01-01 00:00:00"] + f[5:]
+    _write_gz(src / "icu" / "chartevents.csv.gz",
+              "\n".join(lines + [",".join(r) for r in (bad_time, negative, nan_value, outside)]) + "\n")
+    out = tmp_path / "out"
+    s = extract(src, out)
+    q = s.tables["chartevents"]["quarantined"]
+    assert q == {"unparsable_time": 1, "negative_value": 1, "nan_value": 1, "outside_stay": 1}
+    assert s.tables["chartevents"]["events"] + 4 == s.tables["chartevents"]["rows"]
+    quarantine = pl.read_parquet(out / "quarantine" / "*.parquet")
+    assert sorted(quarantine["reason"].to_list()) == sorted(q)
+    assert "20xx-13-45 99:00:00" in quarantine["raw_time"].to_list()
+
+
+def test_cohort_labels_and_split(store):
+    out, _ = store
+    cfg = load_config()
+    cohort = build_cohort(out, cfg)
+    assert (cohort["anchor_age"] >= 18).all() and (cohort["stay_hours"] >= 12).all()
+    all_stays = pl.read_parquet(out / "stays.parquet")
+    assert cohort.height < all_stays.height  # minors and short stays are excluded
+    assert cohort["split"].to_list() == [("eval" if is_eval_subject(s, cfg) else "train")
+                                         for s in cohort["subject_id"]]
+    events = stay_events(out, cohort)
+    assert events.group_by("stay_id").agg(pl.col("time").is_sorted().alias("ok"))["ok"].all()
+    labelled = label_events(events, cohort, cfg)
+    hours = deterioration_hours(events, cfg)
+    # hand check: every MAP < 65 reading flags its own hour, and no flagged hour lacks a firing criterion
+    low_map = events.filter((pl.col("code") == "CHART//220052") & (pl.col("numeric_value") < 65))
+    assert low_map.height > 0
+    flagged = set(zip(hours["stay_id"], hours["hour"]))
+    assert all((s, h) in flagged for s, h in zip(low_map["stay_id"], low_map["hour"]))
+    first_vaso = (events.filter(pl.col("code").str.starts_with("INPUT//221906")).sort("time")
+                  .group_by("stay_id").first())
+    for s, h in zip(first_vaso["stay_id"], first_vaso["hour"]):
+        assert ((hours["stay_id"] == s) & (hours["hour"] == h) & (hours["criterion"] == "vasopressor_start")).any()
+    ev_flag = labelled.filter(pl.col("deteriorating"))
+    assert set(zip(ev_flag["stay_id"], ev_flag["hour"])) <= flagged
+    rare, threshold = rare_codes(events, cohort, cfg)
+    train_counts = (events.filter(pl.col("stay_id").is_in(cohort.filter(pl.col("split") == "train")["stay_id"]
+                                                         .implode())).group_by("code").len())
+    for code, n in zip(train_counts["code"], train_counts["len"]):
+        assert (code in rare) == (n <= threshold)
+    assert "CHART//220045" not in rare
+
+
+def test_event_keys_are_deterministic_and_standardised(store):
+    out, _ = store
+    cfg = load_config()
+    cohort = build_cohort(out, cfg)
+    events = stay_events(out, cohort)
+    keyer = EventKeyer().fit(events)
+    K1, K2 = keyer.transform(events), EventKeyer().fit(events).transform(events)
+    assert K1.shape == (events.height, KEY_DIM) and K1.dtype == np.float64
+    assert np.array_equal(K1, K2) and np.all(np.isfinite(K1))
+    hr = (events["code"] == "CHART//220045").to_numpy()
+    z = K1[hr, 8]
+    assert abs(z.mean()) < 1e-9 and abs(z.std(ddof=1) - 1) < 1e-9
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="shared/data/mimic-iv-demo is not present on this machine")
+def test_extraction_on_the_mimic_iv_demo(tmp_path):
+    s = extract(DEMO, tmp_path / "demo")
+    for t in ("labevents", "chartevents", "inputevents", "outputevents", "procedureevents"):
+        info = s.tables[t]
+        assert info["events"] + info["quarantined_total"] == info["rows"]
+    assert s.tables["chartevents"]["rows"] == 668_862
+    assert s.tables["labevents"]["rows"] == 107_727
+    cfg = load_config()
+    cohort = build_cohort(tmp_path / "demo", cfg)
+    assert 50 < cohort.height <= 140
+    events = stay_events(tmp_path / "demo", cohort)
+    hours = deterioration_hours(events, cfg)
+    assert hours["stay_id"].n_unique() > 10
+    ev = read_subject(tmp_path / "demo", int(cohort["subject_id"][0]))
+    assert ev["time"].is_sorted()
