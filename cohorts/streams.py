@@ -1,0 +1,38 @@
+"""Evaluation streams: the labelled, keyed events of each evaluation stay, ready for the budget sweep."""
+import numpy as np
+import polars as pl
+
+from pipeline.keys import EventKeyer
+
+from .definitions import build_cohort, label_events, stay_events
+
+
+def evaluation_streams(store, cfg, max_events=None):
+    """(streams, cohort summary). Each stream: stay_id, keys (fp64), hours, deteriorating, rare.
+
+    Keys are standardised with statistics of the training split only. ``max_events`` keeps the first events
+    of each stay (for quick runs); None keeps all.
+    """
+    cohort = build_cohort(store, cfg)
+    events = label_events(stay_events(store, cohort), cohort, cfg)
+    train_ids = cohort.filter(pl.col("split") == "train")["stay_id"].implode()
+    keyer = EventKeyer().fit(events.filter(pl.col("stay_id").is_in(train_ids)))
+    ev = events.filter(~pl.col("stay_id").is_in(train_ids))
+    streams = []
+    for (stay_id,), g in ev.group_by(["stay_id"], maintain_order=True):
+        g = g.sort(["time", "code"], maintain_order=True)
+        if max_events:
+            g = g.head(max_events)
+        streams.append({"stay_id": int(stay_id), "keys": keyer.transform(g),
+                        "hours": g["hour"].to_numpy(), "deteriorating": g["deteriorating"].to_numpy(),
+                        "rare": g["rare"].to_numpy()})
+    streams.sort(key=lambda s: s["stay_id"])
+    summary = {
+        "stays": int(cohort.height), "train_stays": int(cohort.height - len(streams)),
+        "eval_stays": len(streams), "events": int(events.height),
+        "eval_events": int(sum(len(s["keys"]) for s in streams)),
+        "deterioration_hours": int(sum(len(np.unique(s["hours"][s["deteriorating"]])) for s in streams)),
+        "eval_stays_with_deterioration": int(sum(bool(s["deteriorating"].any()) for s in streams)),
+        "rare_events": int(sum(int(s["rare"].sum()) for s in streams)),
+    }
+    return streams, summary

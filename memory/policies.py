@@ -1,0 +1,154 @@
+"""Budgeted streaming memories: certified SV selection and the baselines, with one river-style API.
+
+Every policy holds at most ``budget`` events; ``learn_one(key, value, token_id)`` offers one event and
+``kept()`` returns the ids held. Rules (design note sections 8 and 9):
+
+* ``SVSelection``: an SVMemory with fixed C = 1 / (nu_B * B) (feasible once it holds ceil(nu_B B) <= B events).
+  When over budget it evicts the reserve token with the largest slack g (certified); only when the reserve set
+  is empty it exactly decrements the active token with the smallest coefficient (an uncertified eviction,
+  counted). Below ceil(1/C) stored events it is ungated.
+* ``Recency``: FIFO of the last B events.
+* ``SoftmaxHeavyHitter`` (online H2O): each stored event accumulates the softmax attention it receives from every
+  later event's key as query; evicts the smallest accumulated mass outside the protected most recent B/2.
+* ``ResidualRetention`` (delta-rule residual cache): a linear associative memory S predicts each event's value
+  from its normalised key; score beta * ||v - S k||, min-heap of size B.
+* ``ReservoirRandom``: uniform sample of the whole history (Algorithm R), seeded.
+"""
+import heapq
+import math
+
+import numpy as np
+
+from .svmemory import SVMemory
+
+
+class SVSelection:
+    name = "sv_certified"
+
+    def __init__(self, budget, gamma=0.5, nu=0.5):
+        self.budget = int(budget)
+        self.C = 1.0 / (nu * self.budget)
+        if math.ceil(1.0 / self.C - 1e-12) > self.budget:
+            raise ValueError(f"C={self.C} is infeasible for budget {budget}")
+        self.memory = SVMemory(C=self.C, gamma=gamma)
+        self.certified = 0
+        self.uncertified = 0
+
+    def learn_one(self, key, value, token_id):
+        self.memory.add(key, value, token_id=token_id)
+        if self.memory.n_tokens <= self.budget:
+            return
+        part = self.memory.partition()
+        if part.reserve:
+            victim = max(part.reserve, key=lambda t: (self.memory.decision_value_of(t), repr(t)))
+            self.memory.evict(victim)
+            self.certified += 1
+        else:
+            alpha = self.memory.alpha_
+            victim = min(part.margin or part.bound, key=lambda t: (alpha[t], repr(t)))
+            self.memory.remove(victim)
+            self.uncertified += 1
+
+    def kept(self):
+        return set(self.memory.token_ids())
+
+
+class Recency:
+    name = "recency"
+
+    def __init__(self, budget, **_):
+        self.budget = int(budget)
+        self.ids = []
+
+    def learn_one(self, key, value, token_id):
+        self.ids.append(token_id)
+        if len(self.ids) > self.budget:
+            self.ids.pop(0)
+
+    def kept(self):
+        return set(self.ids)
+
+
+class SoftmaxHeavyHitter:
+    name = "softmax_h2o"
+
+    def __init__(self, budget, **_):
+        self.budget = int(budget)
+        self.recent = max(1, self.budget // 2)
+        self.ids, self.keys, self.mass = [], [], []
+
+    def learn_one(self, key, value, token_id):
+        key = np.asarray(key, dtype=np.float64)
+        if self.keys:
+            K = np.stack(self.keys)
+            logits = K @ key / math.sqrt(len(key))
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            for i, pi in enumerate(p):
+                self.mass[i] += pi
+        self.ids.append(token_id)
+        self.keys.append(key)
+        self.mass.append(0.0)
+        if len(self.ids) > self.budget:
+            candidates = range(len(self.ids) - self.recent)
+            i = min(candidates, key=lambda j: self.mass[j])
+            for lst in (self.ids, self.keys, self.mass):
+                lst.pop(i)
+
+    def kept(self):
+        return set(self.ids)
+
+
+class ResidualRetention:
+    name = "residual_delta"
+
+    def __init__(self, budget, beta=0.5, **_):
+        self.budget = int(budget)
+        self.beta = beta
+        self.S = None
+        self.heap = []
+        self._n = 0
+
+    def learn_one(self, key, value, token_id):
+        k = np.asarray(key, dtype=np.float64)
+        k = k / (np.linalg.norm(k) or 1.0)
+        v = np.asarray(value, dtype=np.float64)
+        if self.S is None:
+            self.S = np.zeros((v.size, k.size))
+        e = v - self.S @ k
+        self.S += self.beta * np.outer(e, k)
+        score = self.beta * float(np.linalg.norm(e))
+        self._n += 1
+        item = (score, self._n, token_id)
+        if len(self.heap) < self.budget:
+            heapq.heappush(self.heap, item)
+        elif score > self.heap[0][0]:
+            heapq.heapreplace(self.heap, item)
+
+    def kept(self):
+        return {t for _, _, t in self.heap}
+
+
+class ReservoirRandom:
+    name = "random"
+
+    def __init__(self, budget, seed=0, **_):
+        self.budget = int(budget)
+        self.rng = np.random.default_rng(seed)
+        self.ids = []
+        self._n = 0
+
+    def learn_one(self, key, value, token_id):
+        self._n += 1
+        if len(self.ids) < self.budget:
+            self.ids.append(token_id)
+        else:
+            j = int(self.rng.integers(self._n))
+            if j < self.budget:
+                self.ids[j] = token_id
+
+    def kept(self):
+        return set(self.ids)
+
+
+POLICIES = {p.name: p for p in (SVSelection, Recency, SoftmaxHeavyHitter, ResidualRetention, ReservoirRandom)}
