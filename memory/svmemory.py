@@ -428,8 +428,7 @@ class SVMemory:
         if self._mult[slot] > 1:
             box[slot] -= self.C
         rho_pinned = bool(self._S)
-        rho_after = self.rho_ if rho_pinned else midpoint_rho(
-            self._K[np.ix_(keep, keep)], self._alpha[:n][keep], self._status[:n][keep], np.full(keep.sum(), self._diag))
+        rho_after = self.rho_ if rho_pinned else self._midpoint_rho(np.flatnonzero(keep))
         g_after = self._exact_g()[keep] + (rho_after - self.rho_)
         residual = kkt_residual(self._alpha[:n][keep], g_after, box[keep], self._status[:n][keep])
         gj = float(self._g[slot])
@@ -771,12 +770,18 @@ class SVMemory:
                 self._shrink(self._S.index(j))
                 self._status[j] = RESERVE if to_r[j] else BOUND
         if not len(S):
-            self.rho_ = midpoint_rho(self._K[np.ix_(idx, idx)], self._alpha[idx], self._status[idx],
-                                     diag[idx])
+            self.rho_ = self._midpoint_rho(idx)
         self._g[:n] = self._exact_g()
         res = kkt_residual(self._alpha[idx], self._g[idx], box[idx], self._status[idx])
         if res > self.tol:
             self._repair(idx, box)
+
+    def _midpoint_rho(self, idx):
+        """Midpoint rho over atoms ``idx``, summed in atom creation order so that the same state gives the same
+        bits whatever slots its atoms occupy (an eviction's certificate predicts the digest after it)."""
+        idx = idx[np.argsort(self._seq[idx], kind="stable")]
+        return midpoint_rho(self._K[np.ix_(idx, idx)], self._alpha[idx], self._status[idx],
+                            np.full(len(idx), self._diag))
 
     def _repair(self, idx, box):
         """Last-resort exact batch solve from the current state (counted; should be rare)."""

@@ -1,0 +1,143 @@
+"""Policies on hand-built streams, metrics on hand-built cases, and the HTML report."""
+import json
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from cohorts.evaluation import aggregate, bootstrap_ci, run_sweep, score_stay, sign_flip_p
+from memory.policies import POLICIES, Recency, ReservoirRandom, ResidualRetention, SoftmaxHeavyHitter, SVSelection
+from reports.html import render_report
+
+
+def cloud_with_outliers(n=200, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, d)) * 0.5
+    outliers = [40, 90, 150]
+    X[outliers] += 6.0 * rng.standard_normal((3, d))
+    return X, outliers
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_respects_its_budget(name):
+    X, _ = cloud_with_outliers()
+    pol = POLICIES[name](16)
+    for i, x in enumerate(X):
+        pol.learn_one(x, x, i)
+        assert len(pol.kept()) <= 16
+        assert pol.kept() <= set(range(i + 1))
+    assert len(pol.kept()) == 16
+
+
+def test_recency_keeps_the_last_events():
+    pol = Recency(5)
+    for i in range(20):
+        pol.learn_one(np.zeros(2), np.zeros(2), i)
+    assert pol.kept() == set(range(15, 20))
+
+
+def test_sv_selection_keeps_outliers_and_certifies_its_evictions():
+    X, outliers = cloud_with_outliers()
+    pol = SVSelection(32, gamma=0.5)
+    for i, x in enumerate(X):
+        pol.learn_one(x, x, i)
+    assert set(outliers) <= pol.kept()
+    assert pol.certified + pol.uncertified == len(X) - 32
+    assert pol.certified > 0
+    assert pol.memory.kkt_residual() <= 1e-10
+
+
+def test_sv_selection_rejects_an_infeasible_rule():
+    with pytest.raises(ValueError, match="infeasible"):
+        SVSelection(8, nu=1.5)
+
+
+def test_h2o_protects_recent_events_and_reservoir_is_seeded():
+    X, _ = cloud_with_outliers()
+    pol = SoftmaxHeavyHitter(10)
+    for i, x in enumerate(X):
+        pol.learn_one(x, x, i)
+    assert set(range(len(X) - 5, len(X))) <= pol.kept()
+    a, b = ReservoirRandom(10, seed=3), ReservoirRandom(10, seed=3)
+    for i, x in enumerate(X):
+        a.learn_one(x, x, i)
+        b.learn_one(x, x, i)
+    assert a.kept() == b.kept()
+
+
+def test_residual_retention_keeps_the_worst_predicted():
+    pol = ResidualRetention(3)
+    base = np.array([1.0, 0.0, 0.0])
+    for i in range(30):
+        pol.learn_one(base, base, i)  # learned quickly: residuals shrink
+    novel = np.array([0.0, 1.0, 0.0])
+    pol.learn_one(novel, novel * 5, 30)
+    assert 30 in pol.kept()
+
+
+def hand_stay():
+    # 12 events over 4 hours; hours 1 and 3 deteriorate; event 5 is rare.
+    keys = np.zeros((12, 2))
+    keys[:, 0] = np.arange(12) * 0.01
+    hours = np.repeat(np.arange(4), 3)
+    det = np.isin(hours, [1, 3])
+    rare = np.zeros(12, dtype=bool)
+    rare[5] = True
+    return {"stay_id": 1, "keys": keys, "hours": hours, "deteriorating": det, "rare": rare}
+
+
+def test_metrics_on_a_hand_built_stay():
+    stay = hand_stay()
+    m = score_stay(stay, 3, ("recency",))["recency"]
+    # recency of 3 keeps hour 3 only: 1 of 2 deterioration hours at the end; each hour held at its own end
+    assert m["det_retention_end"] == 0.5
+    assert m["det_retention_hour_end"] == 1.0
+    assert m["rare_recall"] == 0.0
+    m_all = score_stay(stay, 12, ("recency",))["recency"]
+    assert m_all["det_retention_end"] == 1.0 and m_all["rare_recall"] == 1.0
+    assert m_all["output_deviation"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_aggregate_pairs_sv_with_each_baseline():
+    rows = []
+    for s in range(10):
+        rows.append({"stay_id": s, "budget": "8", "policy": "sv_certified", "rare_recall": 1.0})
+        rows.append({"stay_id": s, "budget": "8", "policy": "recency", "rare_recall": 0.0 if s < 8 else 1.0})
+    summary, paired = aggregate(rows)
+    d = [p for p in paired if p["baseline"] == "recency"][0]
+    assert d["mean_diff"] == pytest.approx(0.8) and d["n"] == 10 and d["p_value"] < 0.05
+    lo, hi = bootstrap_ci([1.0] * 5)
+    assert lo == hi == 1.0
+    assert sign_flip_p([0.0, 0.0]) == 1.0
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.external = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        for k, v in attrs:
+            if k in ("src", "href") and v and not v.startswith("#"):
+                self.external.append(v)
+
+
+def test_report_is_self_contained_and_covers_every_policy_and_budget(tmp_path):
+    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1} for i in range(4)]
+    rows = run_sweep(stays, budgets=(4, 8), fractions=(0.5,), workers=1)
+    summary, paired = aggregate(rows)
+    result = {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
+              "metadata": {"data_source": "hand-built", "code_version": "test"}}
+    path = render_report(result, tmp_path)
+    text = path.read_text()
+    p = _Collect()
+    p.feed(text)
+    assert p.external == [] and "script" not in p.tags
+    assert p.tags.count("svg") >= 3
+    for pol in POLICIES:
+        assert pol in text
+    assert "4 events" in text and "8 events" in text and "50% of stream" in text
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert {r["policy"] for r in data["summary"]} == set(POLICIES)
+    assert "stay_id" not in text
