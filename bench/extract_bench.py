@@ -1,0 +1,93 @@
+"""Extraction throughput at scale: a large MIMIC-shaped directory, then events/s and peak memory.
+
+    python bench/extract_bench.py [--events 20000000] [--memory-limit 4GB]
+
+The small tables (patients, admissions, icustays, d_items, ...) come from the embedded generator; chartevents
+and labevents are then replaced by DuckDB-synthesised tables of the requested size over the same stays (the
+Python generator is far too slow for tens of millions of rows). Extraction runs in a child process so that
+its peak resident memory is measured on its own.
+"""
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.generate import GeneratorConfig, generate  # noqa: E402
+
+CHART_ITEMS = [220045, 220179, 220180, 220052, 220210, 220277, 223762]
+LAB_ITEMS = [50813, 50912, 51265, 50885, 50971, 50983, 51301, 51222]
+
+
+def synthesize(src, n_events, patients):
+    generate(src, GeneratorConfig(n_patients=patients, seed=7))
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order=false")
+    stays = f"read_csv('{src}/icu/icustays.csv.gz', header=true)"
+    n_chart = int(n_events * 0.8)
+    n_lab = n_events - n_chart
+    chart_items = "[" + ",".join(map(str, CHART_ITEMS)) + "]"
+    lab_items = "[" + ",".join(map(str, LAB_ITEMS)) + "]"
+    con.execute(f"CREATE TABLE s AS SELECT row_number() OVER () - 1 AS k, * FROM {stays}")
+    n_stays = con.execute("SELECT count(*) FROM s").fetchall()[0][0]
+    con.execute(f"""COPY (
+        SELECT s.subject_id, s.hadm_id, s.stay_id, 1000 + i % 9000 AS caregiver_id,
+               strftime(s.intime + to_seconds(CAST((i // {n_stays}) * 37 % greatest(1, epoch(s.outtime) -
+                        epoch(s.intime)) AS BIGINT)), '%Y-%m-%d %H:%M:%S') AS charttime,
+               NULL AS storetime, {chart_items}[1 + i % {len(CHART_ITEMS)}] AS itemid,
+               round(50 + (hash(i) % 1000) / 10.0, 2) AS value, round(50 + (hash(i) % 1000) / 10.0, 2) AS valuenum,
+               'unit' AS valueuom, 0 AS warning
+        FROM range({n_chart}) t(i) JOIN s ON s.k = i % {n_stays})
+        TO '{src}/icu/chartevents.csv.gz' (HEADER, COMPRESSION gzip)""")
+    con.execute(f"""COPY (
+        SELECT i AS labevent_id, s.subject_id, s.hadm_id, i AS specimen_id,
+               {lab_items}[1 + i % {len(LAB_ITEMS)}] AS itemid, NULL AS order_provider_id,
+               strftime(s.intime + to_seconds(CAST((i // {n_stays}) * 53 % greatest(1, epoch(s.outtime) -
+                        epoch(s.intime)) AS BIGINT)), '%Y-%m-%d %H:%M:%S') AS charttime,
+               NULL AS storetime, round((hash(i) % 1000) / 100.0, 2) AS value,
+               round((hash(i) % 1000) / 100.0, 2) AS valuenum, 'mg/dL' AS valueuom, NULL AS ref_range_lower,
+               NULL AS ref_range_upper, NULL AS flag, 'ROUTINE' AS priority, NULL AS comments
+        FROM range({n_lab}) t(i) JOIN s ON s.k = i % {n_stays})
+        TO '{src}/hosp/labevents.csv.gz' (HEADER, COMPRESSION gzip)""")
+    con.close()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--events", type=int, default=20_000_000)
+    ap.add_argument("--patients", type=int, default=2000)
+    ap.add_argument("--memory-limit", default="4GB")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="extract-bench-"))
+    src, out = work / "src", work / "store"
+    t0 = time.perf_counter()
+    synthesize(src, args.events, args.patients)
+    t_gen = time.perf_counter() - t0
+    code = (f"import json,sys; sys.path.insert(0, {str(ROOT)!r}); from pipeline.extract import extract; "
+            f"s = extract({str(src)!r}, {str(out)!r}, memory_limit={args.memory_limit!r}); "
+            f"print(json.dumps({{'events': s.total_events, 'seconds': s.seconds}}))")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        return proc.returncode
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(f"synthesised {args.events:,} lab+chart rows over {args.patients} patients in {t_gen:.1f} s ({work})")
+    print(f"extracted {res['events']:,} events in {wall:.1f} s: {res['events'] / wall:,.0f} events/s, "
+          f"peak RSS {peak_mb:,.0f} MiB (DuckDB memory_limit {args.memory_limit})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
