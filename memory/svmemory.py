@@ -13,10 +13,13 @@ minimum-norm split among copies, which makes the readout unique.
 """
 import hashlib
 import itertools
+import json
 import math
+import os
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -468,6 +471,73 @@ class SVMemory:
             a = self._alpha[slot] / self._mult[slot] if self._fitted else 0.0
             h.update(struct.pack("<d", a))
         return h.hexdigest()
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path):
+        """Write the full solver state (keys, Gram matrix, coefficients, KKT inverse) to an ``.npz`` file.
+
+        Token ids must be JSON scalars (int or str). No pickle: the file loads with ``allow_pickle=False``.
+        """
+        n = self._n
+        ids = self.token_ids()
+        meta = {
+            "C": self.C, "kernel": self.kernel, "gamma": self.gamma, "tol": self.tol, "tau_res": self.tau_res,
+            "refactor_every": self.refactor_every, "rho": self.rho_, "fitted": self._fitted,
+            "dim": self._dim, "value_dim": self._value_dim, "S": [int(j) for j in self._S],
+            "tokens": [[t, int(self._tokens[t][0]), int(self._tokens[t][2])] for t in ids],
+            "next_seq": int(self._seq[:n].max()) + 1 if n else 0,
+            "next_arrival": max((self._tokens[t][2] for t in ids), default=-1) + 1,
+            "updates_since_refactor": self._updates_since_refactor,
+            "guard_events": dict(self.guard_events_),
+        }
+        values = np.stack([self._tokens[t][1] for t in ids]) if ids else np.empty((0, 0))
+        tmp = Path(str(path) + ".tmp.npz")
+        np.savez(tmp, meta=np.array(json.dumps(meta)), X=self._X[:n], K=self._K[:n, :n], alpha=self._alpha[:n],
+                 g=self._g[:n], mult=self._mult[:n], status=self._status[:n], seq=self._seq[:n],
+                 Rinv=self._Rinv, values=values)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path):
+        """Inverse of :meth:`save`: the same state, bit for bit."""
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            mem = cls(C=meta["C"], kernel=meta["kernel"], gamma=meta["gamma"], tol=meta["tol"],
+                      tau_res=meta["tau_res"], refactor_every=meta["refactor_every"])
+            n = len(z["alpha"])
+            mem._dim, mem._value_dim = meta["dim"], meta["value_dim"]
+            if mem._dim is not None:
+                mem._X = np.zeros((0, mem._dim))
+                mem._ensure_capacity(n)
+                mem._X[:n] = z["X"]
+                mem._K[:n, :n] = z["K"]
+                for name in ("alpha", "g", "mult", "status", "seq"):
+                    getattr(mem, "_" + name)[:n] = z[name]
+            mem._n = n
+            mem._Rinv = z["Rinv"].copy()
+            values = z["values"]
+        mem._slot_of_seq = {int(q): i for i, q in enumerate(mem._seq[:n])}
+        mem._seq_of_keybytes = {mem._X[i].tobytes(): int(mem._seq[i]) for i in range(n)}
+        mem._atom_tokens = [[] for _ in range(n)]
+        mem._value_sum = [None] * n
+        for (tid, seq, arrival), v in zip(meta["tokens"], values):
+            slot = mem._slot_of_seq[seq]
+            mem._tokens[tid] = (seq, v.copy(), arrival)
+            mem._atom_tokens[slot].append(tid)
+        for slot in range(n):
+            toks = sorted(mem._atom_tokens[slot], key=lambda t: mem._tokens[t][2])
+            mem._atom_tokens[slot] = toks
+            mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in toks], axis=0)
+        mem._S = list(meta["S"])
+        mem.rho_ = meta["rho"]
+        mem._fitted = meta["fitted"]
+        mem._updates_since_refactor = meta["updates_since_refactor"]
+        mem.guard_events_ = Counter(meta["guard_events"])
+        mem._next_seq = itertools.count(meta["next_seq"])
+        mem._arrivals = itertools.count(meta["next_arrival"])
+        ints = [t for t in mem._tokens if isinstance(t, int)]
+        mem._auto_id = itertools.count(max(ints) + 1 if ints else 0)
+        return mem
 
     # ------------------------------------------------------------------ outputs
     def _active_atoms(self):

@@ -129,3 +129,23 @@ def test_user_token_ids_and_duplicate_copies_are_removed_exactly():
         rep = verify_against_refit(mem)
         assert rep.max_dev <= 1e-8 and rep.kkt_residual_memory <= 1e-10
     assert mem.n_atoms == 12 and mem.n_tokens == 12
+
+
+def test_save_and_load_round_trip_bit_for_bit_and_resume(filled, tmp_path):
+    mem, ids, rng = filled
+    mem.remove(sorted(mem.partition().margin)[0])
+    path = tmp_path / "m.npz"
+    mem.save(path)
+    back = SVMemory.load(path)
+    Q = rng.standard_normal((10, 3))
+    assert back.state_digest() == mem.state_digest()
+    assert np.array_equal(back.read(Q), mem.read(Q))
+    assert np.array_equal(back.decision_function(Q), mem.decision_function(Q))
+    # both continue identically
+    x, v = rng.standard_normal(3) * 3, rng.standard_normal(2)
+    assert mem.add(x, v) == back.add(x, v)
+    victim = sorted(mem.partition().bound | mem.partition().margin)[0]
+    mem.remove(victim)
+    back.remove(victim)
+    assert back.state_digest() == mem.state_digest()
+    assert verify_against_refit(back).max_dev <= 1e-8
