@@ -59,7 +59,8 @@ def stay_events(store, cohort):
     with_stay = ev.filter(pl.col("stay_id").is_not_null()).join(win.drop("subject_id"), on="stay_id")
     without = (ev.filter(pl.col("stay_id").is_null()).drop("stay_id").join(win, on="subject_id")
                .filter((pl.col("time") >= pl.col("intime")) & (pl.col("time") <= pl.col("outtime"))))
-    cols = ["stay_id", "subject_id", "time", "code", "numeric_value", "unit", "source_table", "intime"]
+    cols = ["stay_id", "subject_id", "time", "code", "numeric_value", "unit", "source_table", "event_hash",
+            "occurrence", "intime"]
     out = pl.concat([with_stay.select(cols), without.select(cols)])
     hour = ((pl.col("time") - pl.col("intime")).dt.total_seconds() // 3600).cast(pl.Int64).clip(lower_bound=0)
     return (out.with_columns(hour.alias("hour")).drop("intime")

@@ -33,8 +33,11 @@ def _uniform_readout(Q, X, gamma):
     return (W @ X) / np.maximum(W.sum(1, keepdims=True), 1e-300)
 
 
-def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_probe=32):
-    """Metrics of every policy on one stay (``stay``: dict with keys, hours, deteriorating, rare arrays)."""
+def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_probe=32, save_memory_to=None):
+    """Metrics of every policy on one stay (``stay``: dict with keys, hours, deteriorating, rare arrays).
+
+    ``save_memory_to``: a path where the SV policy's final memory state is persisted (the per-stay memory).
+    """
     keys, hours = stay["keys"], stay["hours"]
     det, rare = stay["deteriorating"], stay["rare"]
     n = len(keys)
@@ -62,6 +65,8 @@ def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_
         if rare.any():
             m["rare_recall"] = float(rare[kept].sum() / rare.sum())
         if name == "sv_certified":
+            if save_memory_to is not None:
+                pol.memory.save(save_memory_to)
             total = pol.certified + pol.uncertified
             m["certified_fraction"] = float(pol.certified / total) if total else 1.0
         m["output_deviation"] = float(np.linalg.norm(_uniform_readout(probes, keys[kept], gamma) - full,
@@ -72,24 +77,27 @@ def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_
 
 
 def _score_task(args):
-    stay, budget, policies, gamma = args
-    return stay["stay_id"], budget, score_stay(stay, budget, policies, gamma=gamma, seed=int(stay["stay_id"]))
+    stay, budget, policies, gamma, save_to = args
+    return stay["stay_id"], budget, score_stay(stay, budget, policies, gamma=gamma, seed=int(stay["stay_id"]),
+                                               save_memory_to=save_to)
 
 
 def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, policies=tuple(POLICIES), gamma=0.5,
-              workers=None):
+              workers=None, memory_budget=None):
     """Per-stay results for every (budget, policy); fraction budgets are labelled 'f0.1' etc.
 
-    Stays are scored in parallel processes (``workers`` defaults to the machine's cores).
+    Stays are scored in parallel processes (``workers`` defaults to the machine's cores). At ``memory_budget``
+    the SV memory of every stay that has a ``memory_path`` is persisted there.
     """
     tasks, labels = [], []
     for stay in stays:
         n = len(stay["keys"])
         for b in budgets:
-            tasks.append((stay, int(b), policies, gamma))
+            save_to = stay.get("memory_path") if memory_budget == int(b) else None
+            tasks.append((stay, int(b), policies, gamma, save_to))
             labels.append(str(int(b)))
         for f in fractions:
-            tasks.append((stay, max(4, int(round(f * n))), policies, gamma))
+            tasks.append((stay, max(4, int(round(f * n))), policies, gamma, None))
             labels.append(f"f{f:g}")
     workers = workers or os.cpu_count() or 1
     if workers > 1:
@@ -97,10 +105,11 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
             results = list(ex.map(_score_task, tasks, chunksize=4))
     else:
         results = [_score_task(t) for t in tasks]
+    subject = {s["stay_id"]: s.get("subject_id") for s in stays}
     out = []
     for label, (stay_id, _, per_policy) in zip(labels, results):
         for pol, m in per_policy.items():
-            out.append({"stay_id": stay_id, "budget": label, "policy": pol, **m})
+            out.append({"stay_id": stay_id, "subject_id": subject[stay_id], "budget": label, "policy": pol, **m})
     return out
 
 

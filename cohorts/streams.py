@@ -15,6 +15,7 @@ def evaluation_streams(store, cfg, max_events=None):
     """
     cohort = build_cohort(store, cfg)
     events = label_events(stay_events(store, cohort), cohort, cfg)
+    subject_of_stay = dict(zip(cohort["stay_id"].to_list(), cohort["subject_id"].to_list()))
     train_ids = cohort.filter(pl.col("split") == "train")["stay_id"].implode()
     keyer = EventKeyer().fit(events.filter(pl.col("stay_id").is_in(train_ids)))
     ev = events.filter(~pl.col("stay_id").is_in(train_ids))
@@ -23,7 +24,8 @@ def evaluation_streams(store, cfg, max_events=None):
         g = g.sort(["time", "code"], maintain_order=True)
         if max_events:
             g = g.head(max_events)
-        streams.append({"stay_id": int(stay_id), "keys": keyer.transform(g),
+        streams.append({"stay_id": int(stay_id), "subject_id": int(subject_of_stay[stay_id]),
+                        "keys": keyer.transform(g),
                         "hours": g["hour"].to_numpy(), "deteriorating": g["deteriorating"].to_numpy(),
                         "rare": g["rare"].to_numpy()})
     streams.sort(key=lambda s: s["stay_id"])
@@ -36,3 +38,23 @@ def evaluation_streams(store, cfg, max_events=None):
         "rare_events": int(sum(int(s["rare"].sum()) for s in streams)),
     }
     return streams, summary
+
+
+def cohort_event_stream(store, cfg, keyer=None, after=""):
+    """The whole cohort's events in global time order, keyed, for the cohort memory.
+
+    Returns (keyer, keys, token_ids, order_keys, subject_ids) for events whose order key is above ``after``.
+    The keyer is fitted on the training split when none is given (and then persisted with the memory).
+    """
+    from memory.cohort import token_id
+
+    cohort = build_cohort(store, cfg)
+    ev = stay_events(store, cohort)
+    if keyer is None:
+        train_ids = cohort.filter(pl.col("split") == "train")["stay_id"].implode()
+        keyer = EventKeyer().fit(ev.filter(pl.col("stay_id").is_in(train_ids)))
+    order = (pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + pl.col("event_hash") + "|" +
+             pl.col("occurrence").cast(pl.String).str.zfill(6))
+    ev = ev.with_columns(order.alias("order_key")).filter(pl.col("order_key") > after).sort("order_key")
+    ids = [token_id(s, h, o) for s, h, o in zip(ev["subject_id"], ev["event_hash"], ev["occurrence"])]
+    return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()

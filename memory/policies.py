@@ -25,12 +25,13 @@ from .svmemory import SVMemory
 class SVSelection:
     name = "sv_certified"
 
-    def __init__(self, budget, gamma=0.5, nu=0.5):
+    def __init__(self, budget, gamma=0.5, nu=0.5, memory=None):
         self.budget = int(budget)
+        self.nu = nu
         self.C = 1.0 / (nu * self.budget)
         if math.ceil(1.0 / self.C - 1e-12) > self.budget:
             raise ValueError(f"C={self.C} is infeasible for budget {budget}")
-        self.memory = SVMemory(C=self.C, gamma=gamma)
+        self.memory = memory if memory is not None else SVMemory(C=self.C, gamma=gamma)
         self.certified = 0
         self.uncertified = 0
 

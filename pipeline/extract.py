@@ -75,6 +75,7 @@ class ExtractSummary:
     tables: dict = field(default_factory=dict)   # table -> {rows, events, quarantined{reason: n}, new, skipped}
     missing_tables: list = field(default_factory=list)
     new_events: int = 0
+    suppressed_rows: int = 0
     total_events: int = 0
     seconds: float = 0.0
 
@@ -212,11 +213,13 @@ def _load_manifest(out):
     return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
 
 
-def extract(source, out, memory_limit="4GB", threads=None):
+def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
     """Extract (or incrementally update) the event store in ``out`` from the MIMIC-IV directory ``source``.
 
     Returns an :class:`ExtractSummary`; rows rejected by a rule land in ``quarantine/`` with their reason and
-    are counted per table and reason.
+    are counted per table and reason. ``suppressed`` is a callable telling, for a subject id, whether that
+    subject was deleted: its rows are dropped before anything is written (counted as ``suppressed_rows``) so a
+    deleted patient is never re-ingested from a source that still holds them.
     """
     t0 = time.perf_counter()
     out = Path(out)
@@ -255,6 +258,17 @@ def extract(source, out, memory_limit="4GB", threads=None):
             for q in _event_selects(table):
                 con.execute(f"INSERT INTO staged SELECT *, '{table}' FROM ({q})")
 
+        suppressed_rows = 0
+        if suppressed is not None:
+            subjects = [r[0] for r in con.execute("SELECT DISTINCT subject_id FROM staged "
+                                                  "WHERE subject_id IS NOT NULL").fetchall()]
+            gone = [int(s) for s in subjects if suppressed(int(s))]
+            if gone:
+                con.execute("CREATE OR REPLACE TEMP TABLE gone AS SELECT unnest(?::BIGINT[]) AS subject_id", [gone])
+                suppressed_rows = con.execute("SELECT count(*) FROM staged WHERE subject_id IN "
+                                              "(SELECT subject_id FROM gone)").fetchall()[0][0]
+                con.execute("DELETE FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)")
+                con.execute("DELETE FROM stays WHERE subject_id IN (SELECT subject_id FROM gone)")
         # Labs carry no stay_id: give them the ICU stay whose window contains them.
         con.execute("""UPDATE staged SET stay_id = s.stay_id FROM stays s
                        WHERE staged.source_table = 'labevents' AND staged.stay_id IS NULL
@@ -322,6 +336,7 @@ def extract(source, out, memory_limit="4GB", threads=None):
             }
             manifest["files"][table] = info
         summary.new_events = int(n_new)
+        summary.suppressed_rows = int(suppressed_rows)
         _write_codes(con, out, paths)
         # Stay table for cohorts: icustays with the patient's anchor age (all stays, rewritten each run).
         con.execute(f"""COPY (SELECT {_int('i.stay_id')} AS stay_id, {_int('i.subject_id')} AS subject_id,
@@ -329,7 +344,8 @@ def extract(source, out, memory_limit="4GB", threads=None):
                             {_ts('i.outtime')} AS outtime, {_int('p.anchor_age')} AS anchor_age
                      FROM read_csv('{paths['icustays']}', header=true, all_varchar=true) i
                      LEFT JOIN read_csv('{paths['patients']}', header=true, all_varchar=true) p
-                       ON i.subject_id = p.subject_id ORDER BY 2, 5)
+                       ON i.subject_id = p.subject_id
+                     WHERE {_int('i.stay_id')} IN (SELECT stay_id FROM stays) ORDER BY 2, 5)
                      TO '{out / 'stays.parquet.tmp'}' (FORMAT parquet)""")
         os.replace(out / "stays.parquet.tmp", out / "stays.parquet")
         if any((out / "events").glob("*/*.parquet")):

@@ -37,6 +37,15 @@ class EventKeyer:
             .alias("sd"))
         return self
 
+    def save(self, path):
+        self.stats_.write_parquet(path)
+
+    @classmethod
+    def load(cls, path):
+        k = cls()
+        k.stats_ = pl.read_parquet(path)
+        return k
+
     def transform(self, events):
         """(n, KEY_DIM) float64 keys of ``events`` (columns code, numeric_value, time, hour)."""
         ev = events.select("code", "numeric_value", "time", "hour").join(self.stats_, on="code", how="left",

@@ -1,0 +1,166 @@
+"""Prefect 3 flows. Thin: each task calls one plain, separately tested function.
+
+``scheduled_run`` = ``ingest`` -> ``evaluate`` -> cohort memory update -> ``report``; ``delete_patient`` serves
+ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay rows) are never
+persisted (``persist_result=False``); only the report rendering is cached, by its (aggregate) inputs.
+"""
+import os
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task, unmapped
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import INPUTS, NO_CACHE
+from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+
+from cohorts.definitions import load_config
+from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, run_sweep
+from cohorts.runs import HEADLINE_BUDGET, run_metadata, stay_memory_path, update_cohort_memory
+from cohorts.streams import evaluation_streams
+from pipeline.deletion import delete_subject, is_suppressed
+from pipeline.extract import extract
+from pipeline.generate import GeneratorConfig, generate
+from pipeline.locking import workspace_lock
+from pipeline.transaction import recover
+from pipeline.workspace import Workspace
+from reports.certificates import load_key
+from reports.html import render_report
+
+TASK_RUNNERS = ("process", "thread", "dask")
+
+
+def make_task_runner(kind="process", workers=None):
+    """'process' (default: a local process pool, one worker per core), 'thread', or 'dask' (prefect-dask)."""
+    workers = workers or os.cpu_count() or 1
+    if kind == "process":
+        return ProcessPoolTaskRunner(max_workers=workers)
+    if kind == "thread":
+        return ThreadPoolTaskRunner(max_workers=workers)
+    if kind == "dask":
+        from prefect_dask import DaskTaskRunner
+        # A local cluster here; pass address= of a running scheduler to use an existing Dask cluster.
+        address = os.environ.get("FORGETFUL_DASK_ADDRESS")
+        if address:
+            return DaskTaskRunner(address=address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
+                                              "dashboard_address": None})
+    raise ValueError(f"task runner must be one of {TASK_RUNNERS}, got {kind!r}")
+
+
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def extract_task(source, store, root):
+    s = extract(source, store, suppressed=is_suppressed(Workspace(root)))
+    get_run_logger().info("extracted %d new events (%d in store, %d suppressed rows)", s.new_events,
+                          s.total_events, s.suppressed_rows)
+    return {"new_events": s.new_events, "total_events": s.total_events, "suppressed_rows": s.suppressed_rows,
+            "quarantined": {t: v.get("quarantined_total", 0) for t, v in s.tables.items()}}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def prepare_streams(root, max_events):
+    ws = Workspace(root)
+    streams, cohort = evaluation_streams(ws.store, load_config(), max_events=max_events)
+    key = load_key(ws.root)
+    ws.stay_memories.mkdir(parents=True, exist_ok=True)
+    for s in streams:
+        s["memory_path"] = str(stay_memory_path(ws, s["stay_id"], key))
+    return streams, cohort
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def score_chunk(streams, budgets, fractions, memory_budget):
+    return run_sweep(streams, budgets=budgets, fractions=fractions, workers=1, memory_budget=memory_budget)
+
+
+@task(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
+def save_results(rows, root):
+    import polars as pl
+    ws = Workspace(root)
+    ws.results.parent.mkdir(parents=True, exist_ok=True)
+    pl.DataFrame(rows).write_parquet(ws.results)
+    return str(ws.results)
+
+
+@task(cache_policy=INPUTS)
+def render_task(result, root):
+    return str(render_report(result, root))
+
+
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def cohort_memory_task(root, budget):
+    info = update_cohort_memory(Workspace(root), budget=budget)
+    get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
+                          info["tokens"])
+    return info
+
+
+@flow(name="forgetful-ingest")
+def ingest(root, source=None):
+    """Extract new data into the workspace's store (the embedded generator's data when no source is given)."""
+    ws = Workspace(root)
+    if source is None:
+        if not ws.source.exists():
+            generate(ws.source, GeneratorConfig())
+        source = ws.source
+    return extract_task(str(source), str(ws.store), str(ws.root))
+
+
+@flow(name="forgetful-evaluate")
+def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None, chunks=None):
+    """Budget sweep over the evaluation stays, parallel over chunks of stays on the flow's task runner."""
+    import time
+    t0 = time.perf_counter()
+    ws = Workspace(root)
+    streams, cohort = prepare_streams(str(ws.root), max_events)
+    n = chunks or (os.cpu_count() or 1) * 2
+    parts = [streams[i::n] for i in range(n) if streams[i::n]]
+    memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else None
+    futures = score_chunk.map(parts, budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
+                              memory_budget=unmapped(memory_budget))
+    rows = [r for f in futures for r in f.result()]
+    save_results(rows, str(ws.root))
+    summary, paired = aggregate(rows)
+    metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0)
+    get_run_logger().info("scored %d evaluation stays at %d budgets", len(streams), len(budgets) + len(fractions))
+    return {"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata}
+
+
+@flow(name="forgetful-report")
+def report(root, result):
+    path = render_task(result, str(Workspace(root).root))
+    headline = [{"budget": r["budget"], "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
+                 "ci": f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]", "n": r["n"]}
+                for r in result["summary"] if r["budget"] in ("32", "64") and
+                r["metric"] in ("det_retention_end", "rare_recall", "certified_fraction")]
+    create_table_artifact(key="forgetful-headline", table=headline, description="Retention at B = 32 and 64")
+    create_markdown_artifact(key="forgetful-report", markdown=f"Report written to `{path}` "
+                             f"(cohort: {result['cohort']}).", description="Forgetful HTML report")
+    return path
+
+
+@flow(name="forgetful-scheduled-run")
+def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None,
+                  cohort_budget=128, lock_wait_seconds=600.0, task_runner="process", workers=None):
+    """ingest -> evaluate -> cohort memory -> report, holding the workspace lock (deletions wait for it).
+
+    ``task_runner``: where per-stay scoring runs, 'process' (local pool), 'thread' or 'dask'.
+    """
+    ws = Workspace(root)
+    with workspace_lock(ws.root, wait_seconds=lock_wait_seconds, purpose="scheduled run"):
+        recover(ws.root)
+        ingest_info = ingest(str(ws.root), source)
+        result = evaluate.with_options(task_runner=make_task_runner(task_runner, workers))(
+            str(ws.root), budgets=tuple(budgets), fractions=tuple(fractions), max_events=max_events)
+        result["metadata"]["data_source"] = str(source or "embedded generator (deterministic)")
+        result["metadata"]["ingest"] = ingest_info
+        result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget)
+        path = report(str(ws.root), result)
+    return {"report": path, "result": result}
+
+
+@flow(name="forgetful-delete-patient")
+def delete_patient(root, subject_id, mode="decrement", wait_seconds=60.0):
+    cert, path = delete_subject(Workspace(root), subject_id, mode=mode, wait_seconds=wait_seconds)
+    get_run_logger().info("deletion certificate %s issued (mode %s)", Path(path).name, mode)
+    create_markdown_artifact(key="forgetful-deletion", markdown=f"Certificate `{Path(path).name}` (subject hash "
+                             f"`{cert['subject_hash'][:16]}...`, mode {mode}).")
+    return str(path)

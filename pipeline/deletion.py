@@ -1,0 +1,337 @@
+"""Certified, all-or-nothing deletion of one patient from a workspace.
+
+What is removed, and how:
+
+* event store: the patient's bucket is rewritten without them; quarantine files holding their rows are
+  rewritten; ``stays.parquet`` is rewritten; ``codes.parquet`` (counts) is recomputed;
+* per-stay artifacts: their rows of ``results/per_stay.parquet`` are dropped and their per-stay memory files
+  deleted (those memories hold only that patient);
+* the cohort memory: in ``decrement`` mode every checkpoint holding their tokens is exactly decremented and
+  verified against a scikit-learn refit of its retained tokens; in ``replay`` mode the memory is re-streamed
+  without them from the latest checkpoint that predates their first event, and later checkpoints are removed;
+* aggregate reports (``report.html``/``report.json``) are **marked stale** (a banner and a ``stale`` field
+  naming the certificate); the next scheduled run regenerates them;
+* the patient's keyed hash joins ``store/suppressed.json`` so an incremental run never re-ingests them from a
+  source that still holds them; ``store/generation.json`` is bumped so no cached evaluation is reused.
+
+Every new file is staged and committed through :mod:`pipeline.transaction`; the certificate and its ledger
+entry are part of the same transaction. A crash leaves the old state or (after recovery) the new one.
+"""
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from memory.cohort import CohortMemory, subject_of
+from memory.refit import verify_against_refit
+from pipeline.keys import EventKeyer
+from reports.certificates import (canonical, keyed_hash, load_key, next_entry, read_ledger,
+                                  render_certificate_html)
+
+from .extract import N_BUCKETS, UnknownSubjectError
+from .locking import workspace_lock
+from .transaction import Transaction, _crash_point, recover
+
+MODES = ("decrement", "replay")
+VERIFY_MAX_DEV = 1e-8
+
+
+class AlreadyDeleted(Exception):
+    """The subject was deleted before: nothing of them remains and the ledger holds their certificate."""
+
+
+class DeletionFailed(RuntimeError):
+    """Verification failed; nothing was changed."""
+
+
+def suppressed_hashes(ws):
+    f = ws.store / "suppressed.json"
+    return set(json.loads(f.read_text())) if f.exists() else set()
+
+
+def is_suppressed(ws):
+    """A callable for :func:`pipeline.extract.extract`: was this subject deleted?"""
+    hashes, key = suppressed_hashes(ws), load_key(ws.root)
+    return lambda subject_id: keyed_hash(subject_id, key) in hashes
+
+
+def scan_subject(ws, subject_id):
+    """Everything of the subject still present: counts per place (all zero after a deletion)."""
+    sid = int(subject_id)
+    found = {}
+    bucket = ws.store / "events" / f"bucket={sid % N_BUCKETS}"
+    files = sorted(bucket.glob("*.parquet")) if bucket.exists() else []
+    found["events"] = pl.scan_parquet(files).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item() \
+        if files else 0
+    qfiles = sorted((ws.store / "quarantine").glob("*.parquet"))
+    found["quarantine"] = pl.scan_parquet(qfiles).filter(pl.col("subject_id") == sid).select(pl.len()).collect() \
+        .item() if qfiles else 0
+    stays_file = ws.store / "stays.parquet"
+    stay_ids = []
+    if stays_file.exists():
+        stays = pl.read_parquet(stays_file).filter(pl.col("subject_id") == sid)
+        stay_ids = stays["stay_id"].to_list()
+        found["stays"] = stays.height
+    found["per_stay_results"] = pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid).height \
+        if ws.results.exists() else 0
+    found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(sid)) for c in ws.checkpoints())
+    return found, stay_ids
+
+
+def _stay_ids_from_results(ws, sid):
+    if not ws.results.exists():
+        return []
+    return pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid)["stay_id"].unique().to_list()
+
+
+def _write_staged_parquet(txn, frame, final):
+    staged = txn.stage(final)
+    frame.write_parquet(staged)
+    return staged
+
+
+def _memory_digest(cm):
+    return cm.memory.state_digest()
+
+
+def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_refit_probes=64):
+    """Delete one subject from the workspace; returns the certificate (dict) and its path.
+
+    Raises UnknownSubjectError when the subject is not in the workspace (and was never deleted), AlreadyDeleted
+    when it was deleted before, WorkspaceLocked when a run holds the workspace, DeletionFailed when a memory
+    fails its refit verification (nothing is changed then).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    sid = int(subject_id)
+    with workspace_lock(ws.root, wait_seconds=wait_seconds, purpose=f"deletion ({mode})"):
+        recover(ws.root)
+        key = load_key(ws.root)
+        subject_hash = keyed_hash(sid, key)
+        found, stay_ids = scan_subject(ws, sid)
+        stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
+        stay_files = [p for p in (ws.stay_memories / f"{keyed_hash(f'stay:{s}', key)[:32]}.npz" for s in stay_ids)
+                      if p.exists()]
+        if not any(found.values()) and not stay_files:
+            ledger = read_ledger(ws.ledger)
+            certs = [e["certificate"] for e in ledger]
+            for name in certs:
+                cert = json.loads((ws.certificates / name).read_text())
+                if cert.get("subject_hash") == subject_hash:
+                    raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; "
+                                         f"certificate {name}")
+            raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
+
+        t0 = time.perf_counter()
+        txn = Transaction(ws.root)
+        try:
+            removed = {}
+            # 1. event store
+            bucket = ws.store / "events" / f"bucket={sid % N_BUCKETS}"
+            files = sorted(bucket.glob("*.parquet"))
+            if files:
+                ev = pl.read_parquet(files, hive_partitioning=False)
+                mine = ev.filter(pl.col("subject_id") == sid)
+                removed["events_by_table"] = {r["source_table"]: int(r["len"]) for r in
+                                              mine.group_by("source_table").len().iter_rows(named=True)}
+                keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code"])
+                for f in files:
+                    txn.delete(f)
+                if keep.height:
+                    _write_staged_parquet(txn, keep, bucket / f"deletion-{txn.name}.parquet")
+            removed["quarantine_rows"] = 0
+            for q in sorted((ws.store / "quarantine").glob("*.parquet")):
+                qf = pl.read_parquet(q)
+                n = qf.filter(pl.col("subject_id") == sid).height
+                if n:
+                    removed["quarantine_rows"] += n
+                    _write_staged_parquet(txn, qf.filter(pl.col("subject_id") != sid), q)
+            stays = pl.read_parquet(ws.store / "stays.parquet")
+            removed["stays"] = stays.filter(pl.col("subject_id") == sid).height
+            _write_staged_parquet(txn, stays.filter(pl.col("subject_id") != sid), ws.store / "stays.parquet")
+            other = [f for f in (ws.store / "events").glob("*/*.parquet") if f.parent != bucket]
+            counts = []
+            if other:
+                counts.append(pl.scan_parquet(other, hive_partitioning=False).select("code", "source_table"))
+            if files and keep.height:
+                counts.append(keep.lazy().select("code", "source_table"))
+            if counts and (ws.store / "codes.parquet").exists():
+                old_codes = pl.read_parquet(ws.store / "codes.parquet")
+                new_codes = (pl.concat(counts).group_by("code").agg(pl.col("source_table").first(),
+                                                                    pl.len().alias("count")).collect())
+                if "description" in old_codes.columns:
+                    new_codes = new_codes.join(old_codes.select("code", "description"), on="code", how="left")
+                _write_staged_parquet(txn, new_codes.sort("code"), ws.store / "codes.parquet")
+            supp = suppressed_hashes(ws) | {subject_hash}
+            txn.stage(ws.store / "suppressed.json").write_text(json.dumps(sorted(supp)))
+            txn.stage(ws.generation_file).write_text(json.dumps({"generation": ws.generation() + 1}))
+            _crash_point("staged_store")
+
+            # 2. per-stay artifacts
+            if ws.results.exists():
+                res = pl.read_parquet(ws.results)
+                removed["per_stay_result_rows"] = res.filter(pl.col("subject_id") == sid).height
+                _write_staged_parquet(txn, res.filter(pl.col("subject_id") != sid), ws.results)
+            removed["per_stay_memories"] = len(stay_files)
+            for p in stay_files:
+                txn.delete(p)
+
+            # 3. cohort memory checkpoints
+            memories, verification, digests = {}, {}, {}
+            ckpts = ws.checkpoints()
+            if mode == "decrement":
+                for c in ckpts:
+                    cm = CohortMemory.load(c)
+                    tokens = cm.tokens_of(sid)
+                    if not tokens:
+                        continue
+                    before = _memory_digest(cm)
+                    removed_keys = np.stack([cm.memory.key_of(t) for t in tokens])
+                    cm.memory.remove_many(tokens)
+                    memories[c.name] = len(tokens)
+                    digests[c.name] = {"before": before, "after": _memory_digest(cm)}
+                    verification[c.name] = _verify(cm, removed_keys, budget_refit_probes)
+                    staged_dir = txn.stage(c)
+                    cm.save(staged_dir)
+                    (staged_dir / "keyer.parquet").write_bytes((c / "keyer.parquet").read_bytes())
+            else:
+                memories, verification, digests = _replay(ws, ckpts, sid, txn, budget_refit_probes)
+            removed["cohort_memory_tokens"] = memories
+            failed = [n for n, v in verification.items() if not v["passed"]]
+            if failed:
+                raise DeletionFailed(f"refit verification failed for cohort memory checkpoint(s) {failed}: "
+                                     f"{[verification[n] for n in failed]}")
+            _crash_point("staged_memories")
+
+            # 4. aggregate reports: marked stale
+            stale = []
+            if ws.report_json.exists():
+                rep = json.loads(ws.report_json.read_text())
+                rep["stale"] = {"reason": "a patient was deleted after this report was computed",
+                                "certificate": None}
+                stale.append("report.json")
+                stale_report = rep
+            if ws.report_html.exists():
+                stale.append("report.html")
+
+            # 5. residual scan over the staged state
+            residual = _residual_scan(ws, txn, sid, bucket, stay_files)
+            if residual["rows_remaining"]:
+                raise DeletionFailed(f"post-deletion scan still finds the subject: {residual}")
+
+            # 6. certificate and ledger
+            ledger = read_ledger(ws.ledger)
+            seq = len(ledger)
+            name = f"{seq:06d}.json"
+            cert = {
+                "certificate_id": seq, "subject_hash": subject_hash, "hash": "HMAC-SHA256 (workspace key)",
+                "mode": mode,
+                "mode_meaning": ("memories equal the fixed-C refit of their retained tokens" if mode == "decrement"
+                                 else "cohort memory re-streamed as if the patient had never been seen"),
+                "removed": removed, "memory_digests": digests, "verification": verification,
+                "residual_scan": residual, "artifacts_marked_stale": stale,
+                "code_version": _code_version(), "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(time.perf_counter() - t0, 3),
+                "ledger_prev": ledger[-1]["entry_hash"] if ledger else "0" * 64,
+            }
+            text = canonical(cert)
+            txn.stage(ws.certificates / name).write_text(text)
+            txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(render_certificate_html(cert))
+            entry = next_entry(ledger, name, text)
+            old = ws.ledger.read_text() if ws.ledger.exists() else ""
+            txn.stage(ws.ledger).write_text(old + json.dumps(entry, sort_keys=True) + "\n")
+            if "report.json" in stale:
+                stale_report["stale"]["certificate"] = name
+                txn.stage(ws.report_json).write_text(json.dumps(stale_report, indent=1, default=str))
+            if "report.html" in stale:
+                html_text = ws.report_html.read_text()
+                banner = (f"<p style='background:#fde;border:2px solid #c00;padding:8px'><b>Stale:</b> a patient "
+                          f"was deleted after this report was computed (certificate {name}); the next "
+                          f"scheduled run regenerates it.</p>")
+                txn.stage(ws.report_html).write_text(html_text.replace("<body>", "<body>" + banner, 1))
+            _crash_point("staged_certificate")
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
+        _crash_point("committed")
+        after, _ = scan_subject(ws, sid)
+        if any(after.values()):
+            raise DeletionFailed(f"after commit the subject is still found: {after}")
+        return cert, ws.certificates / name
+
+
+def _code_version():
+    from cohorts.runs import code_version
+    return code_version()
+
+
+def _verify(cm, removed_keys, n_jitter):
+    if not cm.memory.is_feasible:
+        return {"passed": True, "note": "memory below ceil(1/C) tokens: no solution to verify", "tokens":
+                cm.memory.n_tokens}
+    rep = verify_against_refit(cm.memory, probes=removed_keys, n_jitter=n_jitter)
+    passed = rep.max_dev <= VERIFY_MAX_DEV and rep.nondegenerate_mismatches == 0
+    return {"passed": bool(passed), "max_decision_deviation": rep.max_dev, "median_decision_deviation":
+            rep.median_dev, "partition_agreement": rep.partition_agreement,
+            "nondegenerate_mismatches": rep.nondegenerate_mismatches,
+            "kkt_residual": rep.kkt_residual_memory, "tolerance": VERIFY_MAX_DEV, "tokens": rep.n_tokens}
+
+
+def _replay(ws, ckpts, sid, txn, n_jitter):
+    """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
+    from cohorts.definitions import load_config
+    from cohorts.streams import cohort_event_stream
+
+    if not ckpts:
+        return {}, {}, {}
+    latest = CohortMemory.load(ckpts[-1])
+    keyer = EventKeyer.load(ckpts[-1] / "keyer.parquet")
+    # the checkpoints that saw the subject: their watermark is at or past the subject's first event
+    _, _, ids, order, subjects = cohort_event_stream(ws.store, load_config(), keyer=keyer)
+    first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)
+    clean = [c for c in ckpts if first is None or CohortMemory.load(c).watermark < first]
+    base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
+                                                                   gamma=latest.gamma, nu=latest.policy.nu)
+    before = _memory_digest(latest)
+    _, K, ids2, order2, subj2 = cohort_event_stream(ws.store, load_config(), keyer=keyer, after=base.watermark)
+    sel = [i for i, (o, s) in enumerate(zip(order2, subj2)) if int(s) != sid and o <= latest.watermark]
+    base.feed(K[sel], [ids2[i] for i in sel], [order2[i] for i in sel])
+    tainted = [c for c in ckpts if c not in clean]
+    for c in tainted:
+        txn.delete(c)
+    target = tainted[-1] if tainted else ckpts[-1]
+    staged = txn.stage(target)
+    base.save(staged)
+    (staged / "keyer.parquet").write_bytes((ckpts[-1] / "keyer.parquet").read_bytes())
+    removed_tokens = len(latest.tokens_of(sid))
+    verification = {target.name: _verify(base, np.empty((0, base.memory._dim or 1)), n_jitter)}
+    verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
+    verification[target.name]["checkpoints_removed"] = [c.name for c in tainted[:-1]]
+    return ({target.name: removed_tokens}, verification,
+            {target.name: {"before": before, "after": _memory_digest(base)}})
+
+
+def _residual_scan(ws, txn, sid, bucket, stay_files):
+    """Scan the state as it will be after commit (staged files, plus unchanged ones) for the subject."""
+    staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
+    deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
+    rows = sum(1 for p in stay_files if str(p) not in deleted)
+    for f in list((ws.store / "events").glob("*/*.parquet")) + list((ws.store / "quarantine").glob("*.parquet")) \
+            + [ws.store / "stays.parquet", ws.results]:
+        if str(f) in deleted or not f.exists():
+            continue
+        src = staged.get(str(f), f)
+        rows += pl.scan_parquet(src).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item()
+    for final, src in staged.items():
+        if final.endswith(".parquet") and Path(final).parent == bucket:
+            rows += pl.scan_parquet(src).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item()
+        if Path(src).is_dir() and (Path(src) / "memory.npz").exists():
+            rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if subject_of(t) == sid)
+    for c in ws.checkpoints():
+        if str(c) not in deleted and str(c) not in staged:
+            rows += len(CohortMemory.load(c).tokens_of(sid))
+    return {"rows_remaining": int(rows), "scanned": ["events", "quarantine", "stays", "per_stay_results",
+                                                      "cohort_memory_checkpoints", "per_stay_memories"]}

@@ -1,0 +1,89 @@
+"""All-or-nothing file changes: stage every new file, write a journal, then apply it (roll-forward recovery).
+
+A change is prepared in ``ROOT/.txn/<name>/`` (new versions of files, the list of files to delete). Writing
+``journal.json`` is the commit point, done atomically with ``os.replace``. Applying a journal is idempotent:
+each step checks what is already done. ``recover(root)`` therefore rolls a committed transaction forward and
+discards an uncommitted one, so a crash at any point leaves the full old state or, after recovery, the full
+new state.
+"""
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+TXN_DIR = ".txn"
+
+
+def _crash_point(step):
+    """Test hook: FORGETFUL_CRASH_AT=<step> kills the process here, as a power cut would."""
+    if os.environ.get("FORGETFUL_CRASH_AT") == step:
+        os._exit(137)
+
+
+class Transaction:
+    def __init__(self, root, name=None):
+        self.root = Path(root)
+        self.name = name or uuid.uuid4().hex
+        self.dir = self.root / TXN_DIR / self.name
+        self.dir.mkdir(parents=True, exist_ok=False)
+        self.ops = []
+
+    def stage(self, final_path):
+        """A path to write the new version of ``final_path`` to; it replaces the final path on commit."""
+        final = Path(final_path)
+        staged = self.dir / f"{len(self.ops):05d}-{final.name}"
+        self.ops.append({"op": "replace", "staged": str(staged.relative_to(self.root)),
+                         "final": str(final.resolve().relative_to(self.root.resolve()))})
+        return staged
+
+    def delete(self, final_path):
+        final = Path(final_path)
+        self.ops.append({"op": "delete", "final": str(final.resolve().relative_to(self.root.resolve()))})
+
+    def commit(self):
+        tmp = self.dir / "journal.json.tmp"
+        tmp.write_text(json.dumps({"ops": self.ops}))
+        os.replace(tmp, self.dir / "journal.json")
+        _crash_point("journal_written")
+        apply_journal(self.root, self.dir)
+
+    def abort(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def apply_journal(root, txn_dir):
+    root, txn_dir = Path(root), Path(txn_dir)
+    ops = json.loads((txn_dir / "journal.json").read_text())["ops"]
+    for i, op in enumerate(ops):
+        final = root / op["final"]
+        if op["op"] == "replace":
+            staged = root / op["staged"]
+            if staged.exists():
+                final.parent.mkdir(parents=True, exist_ok=True)
+                if staged.is_dir() and final.is_dir():
+                    shutil.rmtree(final)  # a crash right here is redone: the staged directory still exists
+                os.replace(staged, final)
+        elif final.is_dir():
+            shutil.rmtree(final)
+        elif final.exists():
+            final.unlink()
+        if i == len(ops) // 2:
+            _crash_point("journal_half_applied")
+    shutil.rmtree(txn_dir)
+
+
+def recover(root):
+    """Finish committed transactions and discard uncommitted ones; returns (rolled_forward, rolled_back)."""
+    base = Path(root) / TXN_DIR
+    forward, back = [], []
+    if not base.exists():
+        return forward, back
+    for d in sorted(p for p in base.iterdir() if p.is_dir()):
+        if (d / "journal.json").exists():
+            apply_journal(root, d)
+            forward.append(d.name)
+        else:
+            shutil.rmtree(d)
+            back.append(d.name)
+    return forward, back

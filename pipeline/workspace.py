@@ -1,0 +1,34 @@
+"""Where a Forgetful deployment keeps everything (one folder, the ``--out`` of the CLI)."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root).resolve())
+
+    source = property(lambda self: self.root / "source")            # the embedded generator's output
+    store = property(lambda self: self.root / "store")              # parquet event store
+    results = property(lambda self: self.root / "results" / "per_stay.parquet")
+    stay_memories = property(lambda self: self.root / "memories" / "stays")
+    cohort_checkpoints = property(lambda self: self.root / "memories" / "cohort" / "checkpoints")
+    report_html = property(lambda self: self.root / "report.html")
+    report_json = property(lambda self: self.root / "report.json")
+    ledger = property(lambda self: self.root / "ledger.jsonl")
+    certificates = property(lambda self: self.root / "certificates")
+    generation_file = property(lambda self: self.store / "generation.json")
+
+    def checkpoints(self):
+        """Cohort-memory checkpoints, oldest first."""
+        d = self.cohort_checkpoints
+        return sorted((p for p in d.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
+                      key=lambda p: p.name) if d.exists() else []
+
+    def generation(self):
+        """Bumped by every deletion: part of every cache key over the store's content."""
+        f = self.generation_file
+        return json.loads(f.read_text())["generation"] if f.exists() else 0

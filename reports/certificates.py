@@ -1,0 +1,116 @@
+"""Deletion certificates (JSON + readable HTML) and their hash-chained, append-only ledger.
+
+Each certificate is canonical JSON (sorted keys, no whitespace) hashed with SHA-256. The ledger
+(``ledger.jsonl``) holds one entry per certificate: ``{"seq", "certificate", "certificate_sha256", "prev",
+"entry_hash"}`` with ``entry_hash = sha256(prev + certificate_sha256 + seq)`` and ``prev`` the previous entry's
+hash (64 zeros for the first). Editing any past certificate changes its hash; editing, dropping or reordering a
+ledger line breaks the chain; both are reported by :func:`verify_certificate`.
+
+Subjects appear only as a keyed hash (HMAC-SHA256 with the workspace's key), never as the raw id.
+"""
+import hashlib
+import hmac
+import html
+import json
+import os
+import secrets
+from pathlib import Path
+
+GENESIS = "0" * 64
+
+
+def load_key(workspace):
+    """The keyed-hash secret: FORGETFUL_HASH_KEY if set, else ``workspace/.secrets/hash.key`` (made once)."""
+    env = os.environ.get("FORGETFUL_HASH_KEY")
+    if env:
+        return env.encode()
+    path = Path(workspace) / ".secrets" / "hash.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+    return path.read_text().strip().encode()
+
+
+def keyed_hash(value, key):
+    return hmac.new(key, str(value).encode(), hashlib.sha256).hexdigest()
+
+
+def canonical(obj):
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def sha256_text(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_ledger(path):
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def next_entry(ledger_entries, cert_name, cert_text):
+    prev = ledger_entries[-1]["entry_hash"] if ledger_entries else GENESIS
+    seq = len(ledger_entries)
+    digest = sha256_text(cert_text)
+    return {"seq": seq, "certificate": cert_name, "certificate_sha256": digest, "prev": prev,
+            "entry_hash": sha256_text(prev + digest + str(seq))}
+
+
+def render_certificate_html(cert):
+    rows = []
+    for k, v in cert.items():
+        val = json.dumps(v, indent=1, default=str) if isinstance(v, (dict, list)) else str(v)
+        rows.append(f"<tr><th>{html.escape(k)}</th><td><pre>{html.escape(val)}</pre></td></tr>")
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate "
+            f"{cert.get('certificate_id')}</title><style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}"
+            f"td,th{{border:1px solid #ccc;padding:4px;text-align:left;vertical-align:top}}table{{border-collapse:"
+            f"collapse}}pre{{margin:0;white-space:pre-wrap}}</style></head><body><h1>Deletion certificate</h1>"
+            f"<p>Subject (keyed hash): <code>{html.escape(cert.get('subject_hash', ''))}</code>. Mode: "
+            f"{html.escape(str(cert.get('mode')))}. Verify with <code>forgetful verify</code>.</p>"
+            f"<table>{''.join(rows)}</table></body></html>")
+
+
+def verify_certificate(cert_path, ledger_path=None):
+    """Re-check one certificate against the ledger and the whole chain; returns a list of problems ([] = ok)."""
+    cert_path = Path(cert_path)
+    ledger_path = Path(ledger_path) if ledger_path else cert_path.parent.parent / "ledger.jsonl"
+    problems = []
+    entries = read_ledger(ledger_path)
+    if not entries:
+        return [f"ledger {ledger_path} is missing or empty"]
+    prev = GENESIS
+    for i, e in enumerate(entries):
+        if e.get("seq") != i:
+            problems.append(f"ledger entry {i} has seq {e.get('seq')}: entries were dropped or reordered")
+        if e.get("prev") != prev:
+            problems.append(f"ledger entry {i} does not chain to entry {i - 1}")
+        if e.get("entry_hash") != sha256_text(e.get("prev", "") + e.get("certificate_sha256", "") + str(e.get("seq"))):
+            problems.append(f"ledger entry {i} was edited (entry hash mismatch)")
+        prev = e.get("entry_hash")
+        other = ledger_path.parent / "certificates" / e.get("certificate", "")
+        if not other.is_file():
+            problems.append(f"certificate {e.get('certificate')} of ledger entry {i} is missing")
+        elif sha256_text(other.read_text()) != e.get("certificate_sha256"):
+            problems.append(f"certificate {e.get('certificate')} was edited after it was issued")
+    if not cert_path.is_file():
+        return problems + [f"certificate {cert_path} does not exist"]
+    text = cert_path.read_text()
+    mine = [e for e in entries if e.get("certificate") == cert_path.name]
+    if not mine:
+        problems.append(f"certificate {cert_path.name} is not in the ledger")
+    try:
+        cert = json.loads(text)
+    except json.JSONDecodeError:
+        return problems + [f"certificate {cert_path.name} is not valid JSON"]
+    if canonical(cert) != text:
+        problems.append(f"certificate {cert_path.name} is not in canonical form (edited)")
+    for name, v in (cert.get("verification") or {}).items():
+        if not v.get("passed"):
+            problems.append(f"memory {name} failed its refit verification")
+    if cert.get("residual_scan", {}).get("rows_remaining", 0):
+        problems.append("the post-deletion scan found remaining rows")
+    return problems
