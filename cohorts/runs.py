@@ -15,6 +15,7 @@ from reports.certificates import keyed_hash, load_key
 from .definitions import load_config
 from .streams import cohort_event_stream
 
+# Per-stay SV memories are persisted at this budget (or at the largest fixed budget of a run without it).
 HEADLINE_BUDGET = 64
 
 

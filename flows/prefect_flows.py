@@ -113,7 +113,7 @@ def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_eve
     streams, cohort = prepare_streams(str(ws.root), max_events)
     n = chunks or (os.cpu_count() or 1) * 2
     parts = [streams[i::n] for i in range(n) if streams[i::n]]
-    memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else None
+    memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else max(budgets)
     futures = score_chunk.map(parts, budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
                               memory_budget=unmapped(memory_budget))
     rows = [r for f in futures for r in f.result()]

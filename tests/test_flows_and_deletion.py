@@ -1,0 +1,223 @@
+"""Prefect flows end to end on a real ephemeral server, certified deletion, tamper detection, crash safety."""
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from memory.cohort import CohortMemory
+from pipeline.deletion import AlreadyDeleted, delete_subject, scan_subject
+from pipeline.extract import UnknownSubjectError
+from pipeline.generate import GeneratorConfig, generate
+from pipeline.locking import WorkspaceLocked, workspace_lock
+from pipeline.workspace import Workspace
+from reports.certificates import verify_certificate
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["FORGETFUL_HASH_KEY"] = "test-key-not-secret"
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def source(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("source"), GeneratorConfig(n_patients=14, seed=3))
+
+
+@pytest.fixture(scope="session")
+def workspace(prefect_server, source, tmp_path_factory):
+    from flows.prefect_flows import scheduled_run
+    root = tmp_path_factory.mktemp("ws")
+    out = scheduled_run(root=str(root), source=str(source), **RUN)
+    return Workspace(root), out
+
+
+def copy_ws(ws, dest):
+    shutil.copytree(ws.root, dest)
+    return Workspace(dest)
+
+
+def subject_with_memory_tokens(ws):
+    cm = CohortMemory.load(ws.checkpoints()[-1])
+    res = pl.read_parquet(ws.results)
+    for sid in res["subject_id"].unique().sort().to_list():
+        if cm.tokens_of(sid):
+            return sid
+    pytest.fail("no evaluation subject has tokens in the cohort memory")
+
+
+def test_scheduled_run_end_to_end(workspace):
+    ws, out = workspace
+    assert Path(out["report"]).exists() and ws.report_json.exists()
+    data = json.loads(ws.report_json.read_text())
+    assert {r["budget"] for r in data["summary"]} == {"8", "16", "f0.1"}
+    assert data["metadata"]["cohort_memory"]["tokens"] <= 24
+    assert ws.results.exists() and len(ws.checkpoints()) == 1
+    assert any(ws.stay_memories.glob("*.npz"))
+    text = ws.report_html.read_text()
+    for sid in pl.read_parquet(ws.results)["subject_id"].unique().to_list():
+        assert str(sid) not in text  # no identifiers in the report
+
+
+def test_second_run_resumes_the_cohort_memory(workspace, source, tmp_path):
+    from flows.prefect_flows import scheduled_run
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    before = CohortMemory.load(ws.checkpoints()[-1])
+    out = scheduled_run(root=str(ws.root), source=str(source), **RUN)
+    after = CohortMemory.load(ws.checkpoints()[-1])
+    assert len(ws.checkpoints()) == 2
+    assert out["result"]["metadata"]["cohort_memory"]["fed"] == 0  # nothing new in the source
+    assert after.memory.state_digest() == before.memory.state_digest()
+
+
+def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
+    from flows.prefect_flows import delete_patient, ingest
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    found, _ = scan_subject(ws, sid)
+    assert found["events"] > 0 and found["cohort_memory_tokens"] > 0
+    path = Path(delete_patient(str(ws.root), sid))
+    cert = json.loads(path.read_text())
+    assert str(sid) not in path.read_text()  # only the keyed hash
+    assert cert["mode"] == "decrement" and cert["residual_scan"]["rows_remaining"] == 0
+    for v in cert["verification"].values():
+        assert v["passed"] and v["max_decision_deviation"] <= 1e-8 and v["nondegenerate_mismatches"] == 0
+    assert sum(cert["removed"]["events_by_table"].values()) == found["events"]
+    assert verify_certificate(path) == []
+    after, _ = scan_subject(ws, sid)
+    assert not any(after.values())
+    assert json.loads(ws.report_json.read_text())["stale"]["certificate"] == path.name
+    assert "Stale:" in ws.report_html.read_text()
+    with pytest.raises(AlreadyDeleted, match="already deleted"):
+        delete_subject(ws, sid)
+    with pytest.raises(UnknownSubjectError, match="not in the workspace"):
+        delete_subject(ws, 424242)
+    # the source still holds the patient; an incremental run with new rows must not bring them back
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    p = src / "icu" / "chartevents.csv.gz"
+    lines = gzip.open(p, "rt").read().splitlines()
+    mine = [ln for ln in lines[1:] if ln.startswith(f"{sid},")][:3]
+    with gzip.open(p, "wt") as fh:
+        fh.write("\n".join(lines + [m.replace(",220045,", ",220210,") for m in mine]) + "\n")
+    info = ingest(str(ws.root), str(src))
+    assert info["suppressed_rows"] > 0
+    assert not any(scan_subject(ws, sid)[0].values())
+
+
+def test_tampering_is_detected(workspace, tmp_path):
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    res = pl.read_parquet(ws.results)["subject_id"].unique().sort().to_list()
+    _, p1 = delete_subject(ws, res[0])
+    _, p2 = delete_subject(ws, res[1])
+    assert verify_certificate(p1) == [] and verify_certificate(p2) == []
+    original = p1.read_text()
+    p1.write_text(original.replace('"mode":"decrement"', '"mode":"replay"'))
+    assert any("edited after it was issued" in m for m in verify_certificate(p2))
+    p1.write_text(original)
+    lines = ws.ledger.read_text().splitlines()
+    ws.ledger.write_text(lines[1] + "\n")  # drop the first entry
+    problems = verify_certificate(p2)
+    assert any("dropped or reordered" in m or "does not chain" in m for m in problems)
+    assert subprocess.run([sys.executable, "-m", "flows.cli", "verify", str(p2)], cwd=ROOT,
+                          capture_output=True).returncode == 1
+
+
+def test_replay_mode_equals_a_memory_that_never_saw_the_patient(workspace, tmp_path):
+    from cohorts.definitions import load_config
+    from cohorts.streams import cohort_event_stream
+    from pipeline.keys import EventKeyer
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    ckpt = ws.checkpoints()[-1]
+    keyer = EventKeyer.load(ckpt / "keyer.parquet")
+    _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), keyer=keyer)
+    cert, path = delete_subject(ws, sid, mode="replay")
+    assert cert["mode"] == "replay" and verify_certificate(path) == []
+    fresh = CohortMemory(budget=24)
+    keep = [i for i, s in enumerate(subj) if int(s) != sid]
+    fresh.feed(K[keep], [ids[i] for i in keep], [order[i] for i in keep])
+    replayed = CohortMemory.load(ws.checkpoints()[-1])
+    assert replayed.memory.state_digest() == fresh.memory.state_digest()
+    assert not replayed.tokens_of(sid)
+
+
+def test_a_deletion_refuses_while_a_run_holds_the_lock(workspace, tmp_path):
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    sid = pl.read_parquet(ws.results)["subject_id"][0]
+    with workspace_lock(ws.root, purpose="scheduled run"):
+        with pytest.raises(WorkspaceLocked, match="locked by another run"):
+            delete_subject(ws, sid, wait_seconds=0.3)
+    assert scan_subject(ws, sid)[0]["events"] > 0
+
+
+def _state(ws):
+    """Content of everything a deletion may touch (not the lock)."""
+    out = {}
+    for p in sorted(ws.root.rglob("*")):
+        rel = p.relative_to(ws.root)
+        if p.is_file() and rel.parts[0] not in (".txn", "source") and p.name != ".lock":
+            out[str(rel)] = p.read_bytes()
+    return out
+
+
+CRASH_POINTS = ["staged_store", "staged_memories", "staged_certificate", "journal_written",
+                "journal_half_applied", "committed"]
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_crash_at_any_step_leaves_old_or_new_state_and_a_rerun_completes(workspace, tmp_path, point):
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    pre = _state(ws)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pipeline.deletion import delete_subject; "
+            f"from pipeline.workspace import Workspace; delete_subject(Workspace({str(ws.root)!r}), {sid})")
+    env = dict(os.environ, FORGETFUL_CRASH_AT=point)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 137, proc.stderr
+    from pipeline.transaction import recover
+    recover(ws.root)
+    state = _state(ws)
+    remaining = any(scan_subject(ws, sid)[0].values())
+    if point in ("staged_store", "staged_memories", "staged_certificate"):
+        assert state == pre and remaining  # rolled back: the full pre-deletion state
+        cert, path = delete_subject(ws, sid)  # the rerun completes it
+    else:
+        assert not remaining  # rolled forward: the full post-deletion state
+        with pytest.raises(AlreadyDeleted):
+            delete_subject(ws, sid)
+        path = ws.certificates / "000000.json"
+    assert not any(scan_subject(ws, sid)[0].values())
+    assert verify_certificate(path) == []
+    assert len(ws.ledger.read_text().splitlines()) == 1
+
+
+def test_dask_backed_run(prefect_server, source, tmp_path):
+    from flows.prefect_flows import scheduled_run
+    out = scheduled_run(root=str(tmp_path / "ws"), source=str(source), task_runner="dask", workers=2,
+                        budgets=(8,), fractions=(), cohort_budget=16, max_events=80)
+    rows = json.loads(Path(tmp_path / "ws" / "report.json").read_text())["summary"]
+    assert {r["policy"] for r in rows} >= {"sv_certified", "recency", "random"}
+    assert Path(out["report"]).exists()
+
+
+def test_certified_memory_states_survive_the_round_trip(workspace):
+    ws, _ = workspace
+    cm = CohortMemory.load(ws.checkpoints()[-1])
+    if cm.memory.is_feasible:
+        assert cm.memory.kkt_residual() <= 1e-10
+    assert np.isfinite(cm.memory.rho_) or not cm.memory.is_feasible
