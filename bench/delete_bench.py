@@ -1,0 +1,76 @@
+"""Per-patient deletion vs re-running the pipeline without the patient, measured side by side.
+
+    python bench/delete_bench.py [--patients 40] [--deletions 5]
+
+Both sides use the same plain functions the flows compose (no Prefect server start in either timing): the
+re-run extracts the source without the patient, re-scores every evaluation stay and rebuilds the cohort memory.
+"""
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
+
+from cohorts.definitions import load_config  # noqa: E402
+from cohorts.evaluation import aggregate, run_sweep  # noqa: E402
+from cohorts.runs import update_cohort_memory  # noqa: E402
+from cohorts.streams import evaluation_streams  # noqa: E402
+from pipeline.deletion import delete_subject  # noqa: E402
+from pipeline.extract import extract  # noqa: E402
+from pipeline.generate import GeneratorConfig, generate  # noqa: E402
+from pipeline.workspace import Workspace  # noqa: E402
+
+BUDGETS = (16, 64)
+
+
+def pipeline(ws, source, suppressed=None):
+    extract(source, ws.store, suppressed=suppressed)
+    streams, _ = evaluation_streams(ws.store, load_config())
+    rows = run_sweep(streams, budgets=BUDGETS, fractions=())
+    ws.results.parent.mkdir(parents=True, exist_ok=True)
+    pl.DataFrame(rows).write_parquet(ws.results)
+    aggregate(rows)
+    update_cohort_memory(ws, budget=128)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--patients", type=int, default=40)
+    ap.add_argument("--deletions", type=int, default=5)
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="delete-bench-"))
+    source = generate(work / "source", GeneratorConfig(n_patients=args.patients, seed=11))
+    base = Workspace(work / "base")
+    t0 = time.perf_counter()
+    pipeline(base, source)
+    t_full = time.perf_counter() - t0
+    subjects = pl.read_parquet(base.results)["subject_id"].unique().sort().to_list()[:args.deletions]
+    t_del, t_rerun = [], []
+    for i, sid in enumerate(subjects):
+        ws = Workspace(work / f"del{i}")
+        shutil.copytree(base.root, ws.root)
+        t0 = time.perf_counter()
+        cert, _ = delete_subject(ws, sid)
+        t_del.append(time.perf_counter() - t0)
+        assert all(v["passed"] for v in cert["verification"].values())
+        fresh = Workspace(work / f"rerun{i}")
+        t0 = time.perf_counter()
+        pipeline(fresh, source, suppressed=lambda s, sid=sid: s == sid)
+        t_rerun.append(time.perf_counter() - t0)
+    d, r = sorted(t_del)[len(t_del) // 2], sorted(t_rerun)[len(t_rerun) // 2]
+    print(f"{args.patients} patients, budgets {BUDGETS}, cohort memory budget 128; first full run {t_full:.1f} s")
+    print(f"deletion per patient (median of {len(t_del)}): {d:.2f} s   re-run without the patient: {r:.2f} s   "
+          f"ratio re-run/deletion: {r / d:.1f}x")
+    shutil.rmtree(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
