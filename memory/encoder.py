@@ -1,0 +1,131 @@
+"""Learned event keys: a small encoder trained so that SV selection keeps the events that matter.
+
+The encoder maps an event (code, standardised value, has-value flag, time features) to a key: a code
+embedding and the numeric features pass through a two-layer MLP. Training streams windows of consecutive
+events of the training stays through the batched SV solver (``memory.torch_layer.batched_sv_coefficients``)
+and maximises the coefficient mass on flagged events (deterioration hours or rare items), i.e. it learns keys
+under which those events are support vectors and the routine ones are reserve. Runs on CUDA when present.
+"""
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from .torch_layer import batched_sv_coefficients, rbf_torch
+
+N_FEATURES = 5  # standardised value, has-value, hours/24, sin and cos of the hour of day
+
+
+def default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class EventEncoder(torch.nn.Module):
+    def __init__(self, codes, key_dim=8, code_dim=8, hidden=32):
+        super().__init__()
+        self.codes = sorted(set(codes))
+        self.index = {c: i + 1 for i, c in enumerate(self.codes)}  # 0: a code unseen in training
+        self.config = {"key_dim": key_dim, "code_dim": code_dim, "hidden": hidden}
+        self.embedding = torch.nn.Embedding(len(self.codes) + 1, code_dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(code_dim + N_FEATURES, hidden), torch.nn.Tanh(),
+                                       torch.nn.Linear(hidden, key_dim))
+
+    def code_indices(self, codes):
+        return torch.tensor([self.index.get(c, 0) for c in codes], dtype=torch.long)
+
+    def forward(self, code_idx, features):
+        return self.mlp(torch.cat([self.embedding(code_idx), features], dim=-1))
+
+    def save(self, path):
+        torch.save({"state": self.state_dict(), "codes": self.codes, "config": self.config}, Path(path))
+
+    @classmethod
+    def load(cls, path, map_location="cpu"):
+        blob = torch.load(Path(path), map_location=map_location, weights_only=True)
+        enc = cls(blob["codes"], **blob["config"])
+        enc.load_state_dict(blob["state"])
+        return enc
+
+
+def event_features(events, keyer):
+    """(n, N_FEATURES) numeric features of labelled events, standardised with the keyer's training statistics."""
+    full = keyer.transform(events)
+    # EventKeyer's layout: [code embedding | z, has | t, sin, cos]
+    return full[:, -N_FEATURES:]
+
+
+def make_windows(events, keyer, window=64, stride=None):
+    """Windows of consecutive events per stay: codes (list of lists), features (W, n, F), flags (W, n)."""
+    stride = stride or window
+    codes, feats, flags = [], [], []
+    for (_,), g in events.sort(["stay_id", "time"]).group_by(["stay_id"], maintain_order=True):
+        if g.height < window:
+            continue
+        f = event_features(g, keyer)
+        y = (g["deteriorating"] | g["rare"]).to_numpy()
+        c = g["code"].to_list()
+        for s in range(0, g.height - window + 1, stride):
+            codes.append(c[s:s + window])
+            feats.append(f[s:s + window])
+            flags.append(y[s:s + window])
+    if not codes:
+        raise ValueError(f"no stay has {window} events: no training window")
+    return codes, np.stack(feats), np.stack(flags).astype(np.float64)
+
+
+def selection_loss(encoder, code_idx, feats, flags, C, gamma, iters):
+    keys = encoder(code_idx, feats)
+    alpha = batched_sv_coefficients(rbf_torch(keys, keys, gamma), C, iters=iters)
+    flagged_mass = (alpha * flags).sum(-1)
+    best = torch.clamp(flags.sum(-1) * C, max=1.0)  # the most mass a window's flagged events can carry
+    has = best > 0
+    return (1.0 - flagged_mass[has] / best[has]).mean() if has.any() else alpha.sum() * 0.0
+
+
+def train_encoder(codes, feats, flags, C=1 / 8, gamma=0.5, steps=100, lr=0.03, batch=32, iters=30, seed=0,
+                  device=None, encoder=None):
+    """Adam on the selection loss; returns (encoder, loss per step)."""
+    device = device or default_device()
+    torch.manual_seed(seed)
+    encoder = (encoder or EventEncoder([c for w in codes for c in w])).to(device)
+    idx = torch.stack([encoder.code_indices(w) for w in codes]).to(device)
+    X = torch.as_tensor(feats, dtype=torch.float32, device=device)
+    Y = torch.as_tensor(flags, dtype=torch.float32, device=device)
+    opt = torch.optim.Adam(encoder.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    history = []
+    for _ in range(steps):
+        pick = torch.randint(0, len(idx), (min(batch, len(idx)),), generator=gen).to(device)
+        loss = selection_loss(encoder, idx[pick], X[pick], Y[pick], C, gamma, iters)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(float(loss.detach()))
+    return encoder.cpu(), history
+
+
+def evaluate_loss(encoder, codes, feats, flags, C=1 / 8, gamma=0.5, iters=30):
+    with torch.no_grad():
+        idx = torch.stack([encoder.code_indices(w) for w in codes])
+        return float(selection_loss(encoder, idx, torch.as_tensor(feats, dtype=torch.float32),
+                                    torch.as_tensor(flags, dtype=torch.float32), C, gamma, iters))
+
+
+def encode(encoder, events, keyer):
+    """fp64 learned keys of labelled events (for the exact memory)."""
+    with torch.no_grad():
+        idx = encoder.code_indices(events["code"].to_list())
+        f = torch.as_tensor(event_features(events, keyer), dtype=torch.float32)
+        return encoder(idx, f).double().numpy()
+
+
+def training_windows(store, cfg, window=64):
+    """Windows of the training split's stays, and the keyer fitted on them."""
+    from cohorts.definitions import build_cohort, label_events, stay_events
+    from pipeline.keys import EventKeyer
+    cohort = build_cohort(store, cfg)
+    events = label_events(stay_events(store, cohort), cohort, cfg)
+    train = events.filter(pl.col("stay_id").is_in(cohort.filter(pl.col("split") == "train")["stay_id"].implode()))
+    keyer = EventKeyer().fit(train)
+    return make_windows(train, keyer, window=window), keyer, events
