@@ -10,7 +10,7 @@ from pathlib import Path
 
 from memory.cohort import CohortMemory
 from pipeline.keys import EventKeyer
-from reports.certificates import keyed_hash, load_key
+from reports.certificates import keyed_hash
 
 from .definitions import load_config
 from .streams import cohort_event_stream

@@ -18,7 +18,7 @@ import numpy as np
 from sklearn.svm import OneClassSVM
 
 from .kernels import KERNEL_DIAGONAL, rbf
-from .kkt import BOUND, MARGIN, RESERVE, gradient, kkt_residual, solve_exact
+from .kkt import BOUND, MARGIN, RESERVE, solve_exact
 
 
 def sklearn_fit(K_tokens, C, tol=1e-12):
@@ -74,13 +74,6 @@ class RefitReport:
 
     def to_dict(self):
         return dict(self.__dict__)
-
-
-def _status_of(alpha, g, box, tol):
-    st = np.full(len(alpha), RESERVE, dtype=np.int8)
-    st[alpha > tol] = MARGIN
-    st[alpha >= box - tol] = BOUND
-    return st
 
 
 def verify_against_refit(memory, probes=None, n_jitter=64, seed=0, degenerate_tol=1e-9):

@@ -59,10 +59,6 @@ NONNEGATIVE_SOURCES = ("chartevents", "labevents", "outputevents", "inputevents"
 # tolerance they are quarantined as outside their stay.
 STAY_TOLERANCE_HOURS = 6
 
-EVENT_COLUMNS = ["subject_id", "time", "code", "numeric_value", "text_value", "unit", "hadm_id", "stay_id",
-                 "source_table", "event_hash", "occurrence"]
-
-
 class ExtractionError(ValueError):
     """The source directory cannot be extracted as it is (missing table or column)."""
 
