@@ -1,0 +1,74 @@
+"""The report as a person sees it: a headless Chromium screenshot (skipped where Chromium is not installed)."""
+import shutil
+import struct
+import subprocess
+import zlib
+
+import pytest
+
+from cohorts.evaluation import aggregate, run_sweep
+from reports.html import render_report
+from tests.test_evaluation_report import hand_stay
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def png_rows(path):
+    """Decode a non-interlaced 8-bit RGB(A) PNG into (width, height, channels, raw scanlines)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", chunk)
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    width, height, depth, color = header[:4]
+    assert depth == 8 and color in (2, 6)
+    channels = 3 if color == 2 else 4
+    raw = zlib.decompress(idat)
+    stride = width * channels
+    rows, prev = [], bytearray(stride)
+    for r in range(height):
+        kind, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        for i in range(stride):  # undo the PNG filter of this scanline
+            a = line[i - channels] if i >= channels else 0
+            b, c = prev[i], prev[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 255
+            elif kind == 2:
+                line[i] = (line[i] + b) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, height, channels, rows
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed on this machine")
+def test_report_renders_in_a_headless_browser(tmp_path):
+    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1} for i in range(4)]
+    summary, paired = aggregate(run_sweep(stays, budgets=(4, 8), fractions=(), workers=1))
+    path = render_report({"summary": summary, "paired": paired, "cohort": {"stays": 4},
+                          "metadata": {"data_source": "hand-built"}}, tmp_path)
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400",
+                    f"--screenshot={shot}", path.as_uri()], check=True, capture_output=True, timeout=120)
+    width, height, channels, rows = png_rows(shot)
+    assert (width, height) == (1000, 1400)
+    # the first 700 rows hold the heading, the cohort table and the first chart: far from a blank page
+    dark = [px for row in rows[:700] for px in row[::channels * 5] if px < 128]
+    assert len(dark) / (700 * width / 5) > 0.005
+    # the certified-SV curve is drawn in its own red somewhere on the page
+    reds = sum(1 for row in rows for i in range(0, len(row) - 2, channels)
+               if row[i] > 150 and row[i + 1] < 90 and row[i + 2] < 90)
+    assert reds > 50
