@@ -49,11 +49,14 @@ def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_
     full = _uniform_readout(probes, keys, gamma)
     out = {}
     for name in policy_names:
+        own = stay.get("learned_keys") if name == "sv_learned" else keys
+        if own is None:
+            continue  # no trained encoder in this run
         pol = POLICIES[name](budget, gamma=gamma, seed=seed) if name == "random" else POLICIES[name](budget,
                                                                                                 gamma=gamma)
         held_at_hour_end = []
         for i in range(n):
-            pol.learn_one(keys[i], keys[i], i)
+            pol.learn_one(own[i], own[i], i)
             if i in checkpoints:
                 kept = np.fromiter(pol.kept(), dtype=np.int64)
                 held_at_hour_end.append(bool(np.any(hours[kept] == checkpoints[i])))

@@ -7,8 +7,9 @@ from pipeline.keys import EventKeyer
 from .definitions import build_cohort, label_events, stay_events
 
 
-def evaluation_streams(store, cfg, max_events=None):
-    """(streams, cohort summary). Each stream: stay_id, keys (fp64), hours, deteriorating, rare.
+def evaluation_streams(store, cfg, max_events=None, encoder=None):
+    """(streams, cohort summary). Each stream: stay_id, keys (fp64), hours, deteriorating, rare, and
+    learned_keys when a trained ``encoder`` (memory.encoder.EventEncoder) is given.
 
     Keys are standardised with statistics of the training split only. ``max_events`` keeps the first events
     of each stay (for quick runs); None keeps all.
@@ -28,6 +29,9 @@ def evaluation_streams(store, cfg, max_events=None):
                         "keys": keyer.transform(g),
                         "hours": g["hour"].to_numpy(), "deteriorating": g["deteriorating"].to_numpy(),
                         "rare": g["rare"].to_numpy()})
+        if encoder is not None:
+            from memory.encoder import encode
+            streams[-1]["learned_keys"] = encode(encoder, g, keyer)
     streams.sort(key=lambda s: s["stay_id"])
     summary = {
         "stays": int(cohort.height), "train_stays": int(cohort.height - len(streams)),

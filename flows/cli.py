@@ -34,6 +34,7 @@ def build_parser():
         p.add_argument("--cohort-budget", type=int, default=128)
         p.add_argument("--task-runner", choices=("process", "thread", "dask"), default="process")
         p.add_argument("--workers", type=int, default=None)
+        p.add_argument("--encoder-steps", type=int, default=100, help="learned-key encoder training (0: off)")
     sub.choices["serve"].add_argument("--cron", default="0 3 * * *", help="cron schedule (default: daily 03:00)")
     de = sub.add_parser("delete", help="delete one patient, with a deletion certificate")
     de.add_argument("--out", default="out")
@@ -69,7 +70,8 @@ def main(argv=None):
             from flows.prefect_flows import scheduled_run
             params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
                           max_events=args.max_events, cohort_budget=args.cohort_budget,
-                          task_runner=args.task_runner, workers=args.workers)
+                          task_runner=args.task_runner, workers=args.workers,
+                          encoder_steps=args.encoder_steps)
             if args.cmd == "serve":
                 scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
                 return 0

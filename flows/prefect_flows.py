@@ -55,10 +55,29 @@ def extract_task(source, store, root):
             "quarantined": {t: v.get("quarantined_total", 0) for t, v in s.tables.items()}}
 
 
+@task(retries=1, cache_policy=NO_CACHE)
+def train_encoder_task(root, steps):
+    """Learned event keys: train the encoder on the training split's windows (CUDA when present)."""
+    from memory.encoder import train_encoder, training_windows
+    ws = Workspace(root)
+    (codes, feats, flags), _, _ = training_windows(ws.store, load_config())
+    encoder, history = train_encoder(codes, feats, flags, steps=steps)
+    ws.encoder.parent.mkdir(parents=True, exist_ok=True)
+    encoder.save(ws.encoder)
+    k = max(1, len(history) // 10)
+    info = {"windows": len(codes), "steps": steps, "loss_first": sum(history[:k]) / k,
+            "loss_last": sum(history[-k:]) / k}
+    get_run_logger().info("encoder trained on %d windows: selection loss %.3f -> %.3f", len(codes),
+                          info["loss_first"], info["loss_last"])
+    return info
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def prepare_streams(root, max_events):
+    from memory.encoder import EventEncoder
     ws = Workspace(root)
-    streams, cohort = evaluation_streams(ws.store, load_config(), max_events=max_events)
+    encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
+    streams, cohort = evaluation_streams(ws.store, load_config(), max_events=max_events, encoder=encoder)
     key = load_key(ws.root)
     ws.stay_memories.mkdir(parents=True, exist_ok=True)
     for s in streams:
@@ -139,19 +158,24 @@ def report(root, result):
 
 @flow(name="forgetful-scheduled-run")
 def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None,
-                  cohort_budget=128, lock_wait_seconds=600.0, task_runner="process", workers=None):
-    """ingest -> evaluate -> cohort memory -> report, holding the workspace lock (deletions wait for it).
+                  cohort_budget=128, lock_wait_seconds=600.0, task_runner="process", workers=None,
+                  encoder_steps=100):
+    """ingest -> (train the key encoder) -> evaluate -> cohort memory -> report, holding the workspace lock
+    (deletions wait for it).
 
     ``task_runner``: where per-stay scoring runs, 'process' (local pool), 'thread' or 'dask'.
+    ``encoder_steps``: training steps of the learned-key encoder (0: no ``sv_learned`` policy row).
     """
     ws = Workspace(root)
     with workspace_lock(ws.root, wait_seconds=lock_wait_seconds, purpose="scheduled run"):
         recover(ws.root)
         ingest_info = ingest(str(ws.root), source)
+        encoder_info = train_encoder_task(str(ws.root), encoder_steps) if encoder_steps else None
         result = evaluate.with_options(task_runner=make_task_runner(task_runner, workers))(
             str(ws.root), budgets=tuple(budgets), fractions=tuple(fractions), max_events=max_events)
         result["metadata"]["data_source"] = str(source or "embedded generator (deterministic)")
         result["metadata"]["ingest"] = ingest_info
+        result["metadata"]["learned_keys_encoder"] = encoder_info
         result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget)
         path = report(str(ws.root), result)
     return {"report": path, "result": result}

@@ -13,6 +13,7 @@ Every policy holds at most ``budget`` events; ``learn_one(key, value, token_id)`
 * ``ResidualRetention`` (delta-rule residual cache): a linear associative memory S predicts each event's value
   from its normalised key; score beta * ||v - S k||, min-heap of size B.
 * ``ReservoirRandom``: uniform sample of the whole history (Algorithm R), seeded.
+* ``SVLearnedSelection``: SV selection on the keys of a trained encoder (a stream's ``learned_keys``).
 """
 import heapq
 import math
@@ -52,6 +53,11 @@ class SVSelection:
 
     def kept(self):
         return set(self.memory.token_ids())
+
+
+class SVLearnedSelection(SVSelection):
+    """SV certified selection over learned event keys (``memory.encoder``); same rule, other keys."""
+    name = "sv_learned"
 
 
 class Recency:
@@ -152,4 +158,5 @@ class ReservoirRandom:
         return set(self.ids)
 
 
-POLICIES = {p.name: p for p in (SVSelection, Recency, SoftmaxHeavyHitter, ResidualRetention, ReservoirRandom)}
+POLICIES = {p.name: p for p in (SVSelection, SVLearnedSelection, Recency, SoftmaxHeavyHitter, ResidualRetention,
+                                 ReservoirRandom)}

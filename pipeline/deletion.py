@@ -10,7 +10,8 @@ What is removed, and how:
   verified against a scikit-learn refit of its retained tokens; in ``replay`` mode the memory is re-streamed
   without them from the latest checkpoint that predates their first event, and later checkpoints are removed;
 * aggregate reports (``report.html``/``report.json``) are **marked stale** (a banner and a ``stale`` field
-  naming the certificate); the next scheduled run regenerates them;
+  naming the certificate); the next scheduled run regenerates them; the learned-key encoder (trained on the
+  training split) is deleted and retrained by the next run;
 * the patient's keyed hash joins ``store/suppressed.json`` so an incremental run never re-ingests them from a
   source that still holds them; ``store/generation.json`` is bumped so no cached evaluation is reused.
 
@@ -177,6 +178,10 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
             removed["per_stay_memories"] = len(stay_files)
             for p in stay_files:
                 txn.delete(p)
+            if ws.encoder.exists():
+                # trained on the training split, possibly on this patient: removed, the next run retrains it
+                txn.delete(ws.encoder)
+                removed["learned_key_encoder"] = "deleted; retrained by the next scheduled run"
 
             # 3. cohort memory checkpoints
             memories, verification, digests = {}, {}, {}
@@ -232,6 +237,8 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                                  else "cohort memory re-streamed as if the patient had never been seen"),
                 "removed": removed, "memory_digests": digests, "verification": verification,
                 "residual_scan": residual, "artifacts_marked_stale": stale,
+                "aggregates_kept": ("per-code value statistics used to standardise event keys (means and standard "
+                                    "deviations over the training split) and aggregate report numbers"),
                 "code_version": _code_version(), "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "seconds": round(time.perf_counter() - t0, 3),
                 "ledger_prev": ledger[-1]["entry_hash"] if ledger else "0" * 64,

@@ -16,6 +16,7 @@ class Workspace:
     results = property(lambda self: self.root / "results" / "per_stay.parquet")
     stay_memories = property(lambda self: self.root / "memories" / "stays")
     cohort_checkpoints = property(lambda self: self.root / "memories" / "cohort" / "checkpoints")
+    encoder = property(lambda self: self.root / "models" / "encoder.pt")  # learned event keys
     report_html = property(lambda self: self.root / "report.html")
     report_json = property(lambda self: self.root / "report.json")
     ledger = property(lambda self: self.root / "ledger.jsonl")

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-COLORS = {"sv_certified": "#c0392b", "recency": "#2c3e50", "softmax_h2o": "#2980b9", "residual_delta": "#27ae60",
+COLORS = {"sv_certified": "#c0392b", "sv_learned": "#e67e22", "recency": "#2c3e50", "softmax_h2o": "#2980b9", "residual_delta": "#27ae60",
           "random": "#8e44ad"}
 TITLES = {"det_retention_end": "Deterioration hours kept at end of stay",
           "det_retention_hour_end": "Deterioration hours held at each hour's end",

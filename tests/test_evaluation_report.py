@@ -98,6 +98,13 @@ def test_metrics_on_a_hand_built_stay():
     assert m_all["output_deviation"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_learned_key_row_runs_only_with_learned_keys():
+    stay = hand_stay()
+    assert "sv_learned" not in score_stay(stay, 4)
+    with_keys = score_stay(stay | {"learned_keys": stay["keys"] * 3.0}, 4)
+    assert with_keys["sv_learned"]["kept"] == 4
+
+
 def test_aggregate_pairs_sv_with_each_baseline():
     rows = []
     for s in range(10):
@@ -124,7 +131,8 @@ class _Collect(HTMLParser):
 
 
 def test_report_is_self_contained_and_covers_every_policy_and_budget(tmp_path):
-    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1} for i in range(4)]
+    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1,
+                            "learned_keys": 2.0 * hand_stay()["keys"] - i * 0.1} for i in range(4)]
     rows = run_sweep(stays, budgets=(4, 8), fractions=(0.5,), workers=1)
     summary, paired = aggregate(rows)
     result = {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},

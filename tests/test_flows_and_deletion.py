@@ -20,7 +20,7 @@ from pipeline.workspace import Workspace
 from reports.certificates import verify_certificate
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150)
+RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20)
 
 
 @pytest.fixture(scope="session")
@@ -66,6 +66,7 @@ def test_scheduled_run_end_to_end(workspace):
     data = json.loads(ws.report_json.read_text())
     assert {r["budget"] for r in data["summary"]} == {"8", "16", "f0.1"}
     assert data["metadata"]["cohort_memory"]["tokens"] <= 24
+    assert "sv_learned" in {r["policy"] for r in data["summary"]} and ws.encoder.exists()
     assert ws.results.exists() and len(ws.checkpoints()) == 1
     assert any(ws.stay_memories.glob("*.npz"))
     text = ws.report_html.read_text()
@@ -101,6 +102,7 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
     after, _ = scan_subject(ws, sid)
     assert not any(after.values())
     assert json.loads(ws.report_json.read_text())["stale"]["certificate"] == path.name
+    assert not ws.encoder.exists() and "learned_key_encoder" in cert["removed"]
     assert "Stale:" in ws.report_html.read_text()
     with pytest.raises(AlreadyDeleted, match="already deleted"):
         delete_subject(ws, sid)
@@ -209,7 +211,7 @@ def test_a_crash_at_any_step_leaves_old_or_new_state_and_a_rerun_completes(works
 def test_dask_backed_run(prefect_server, source, tmp_path):
     from flows.prefect_flows import scheduled_run
     out = scheduled_run(root=str(tmp_path / "ws"), source=str(source), task_runner="dask", workers=2,
-                        budgets=(8,), fractions=(), cohort_budget=16, max_events=80)
+                        budgets=(8,), fractions=(), cohort_budget=16, max_events=80, encoder_steps=0)
     rows = json.loads(Path(tmp_path / "ws" / "report.json").read_text())["summary"]
     assert {r["policy"] for r in rows} >= {"sv_certified", "recency", "random"}
     assert Path(out["report"]).exists()
