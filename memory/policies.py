@@ -40,15 +40,12 @@ class SVSelection:
         self.memory.add(key, value, token_id=token_id)
         if self.memory.n_tokens <= self.budget:
             return
-        part = self.memory.partition()
-        if part.reserve:
-            victim = max(part.reserve, key=lambda t: (self.memory.decision_value_of(t), repr(t)))
+        victim = self.memory.reserve_with_largest_slack()
+        if victim is not None:
             self.memory.evict(victim)
             self.certified += 1
         else:
-            alpha = self.memory.alpha_
-            victim = min(part.margin or part.bound, key=lambda t: (alpha[t], repr(t)))
-            self.memory.remove(victim)
+            self.memory.remove(self.memory.smallest_active())
             self.uncertified += 1
 
     def kept(self):
@@ -82,25 +79,27 @@ class SoftmaxHeavyHitter:
     def __init__(self, budget, **_):
         self.budget = int(budget)
         self.recent = max(1, self.budget // 2)
-        self.ids, self.keys, self.mass = [], [], []
+        self.ids = []
+        self.keys = None   # (budget + 1, d): stored keys in arrival order
+        self.mass = np.zeros(self.budget + 1)
 
     def learn_one(self, key, value, token_id):
         key = np.asarray(key, dtype=np.float64)
-        if self.keys:
-            K = np.stack(self.keys)
-            logits = K @ key / math.sqrt(len(key))
+        n = len(self.ids)
+        if self.keys is None:
+            self.keys = np.zeros((self.budget + 1, key.size))
+        if n:
+            logits = self.keys[:n] @ key / math.sqrt(key.size)
             p = np.exp(logits - logits.max())
-            p /= p.sum()
-            for i, pi in enumerate(p):
-                self.mass[i] += pi
+            self.mass[:n] += p / p.sum()
         self.ids.append(token_id)
-        self.keys.append(key)
-        self.mass.append(0.0)
+        self.keys[n] = key
+        self.mass[n] = 0.0
         if len(self.ids) > self.budget:
-            candidates = range(len(self.ids) - self.recent)
-            i = min(candidates, key=lambda j: self.mass[j])
-            for lst in (self.ids, self.keys, self.mass):
-                lst.pop(i)
+            i = int(np.argmin(self.mass[:len(self.ids) - self.recent]))
+            del self.ids[i]
+            self.keys[i:-1] = self.keys[i + 1:].copy()
+            self.mass[i:-1] = self.mass[i + 1:].copy()
 
     def kept(self):
         return set(self.ids)

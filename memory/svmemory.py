@@ -170,8 +170,8 @@ class SVMemory:
         return out
 
     def token_ids(self):
-        """Stored token ids in arrival order."""
-        return sorted(self._tokens, key=lambda t: self._tokens[t][2])
+        """Stored token ids in arrival order (the dict keeps insertion order, which is arrival order)."""
+        return list(self._tokens)
 
     def __contains__(self, token_id):
         return token_id in self._tokens
@@ -447,9 +447,12 @@ class SVMemory:
         ``read`` is bit-for-bit unchanged (and ``decision_function`` when rho is pinned): both sum over the
         nonzero coefficients in atom creation order, and neither that set nor its order changes.
         """
-        cert = certificate if certificate is not None else self.certify_eviction(token_id)
-        if cert.token_id != token_id or cert.digest_before != self.state_digest():
+        if certificate is None:
+            cert = self.certify_eviction(token_id)
+        elif certificate.token_id != token_id or certificate.digest_before != self.state_digest():
             raise NotCertifiableError(f"the certificate does not belong to token {token_id!r} in this state")
+        else:
+            cert = certificate
         slot = self._slot(token_id)
         self._mult[slot] -= 1
         self._forget_token(token_id, slot)
@@ -462,15 +465,34 @@ class SVMemory:
         h = hashlib.sha256()
         rho = rho if rho is not None else (self.rho_ if self._fitted else float("nan"))
         h.update(struct.pack("<3d", self.C, self.gamma, rho))
-        for tid in self.token_ids():
-            if tid == exclude:
-                continue
-            slot = self._slot(tid)
-            h.update(repr(tid).encode())
-            h.update(self._X[slot].tobytes())
-            a = self._alpha[slot] / self._mult[slot] if self._fitted else 0.0
-            h.update(struct.pack("<d", a))
+        toks = [t for t in self.token_ids() if t != exclude]
+        slots = np.fromiter((self._slot_of_seq[self._tokens[t][0]] for t in toks), dtype=np.int64, count=len(toks))
+        h.update("\x1f".join(map(repr, toks)).encode())
+        h.update(np.ascontiguousarray(self._X[slots]).tobytes())
+        coef = self._alpha[slots] / self._mult[slots] if self._fitted else np.zeros(len(toks))
+        h.update(coef.tobytes())
         return h.hexdigest()
+
+    def reserve_with_largest_slack(self):
+        """The reserve token whose g is largest (the least likely to be needed again), or None."""
+        self._check_fitted()
+        n = self._n
+        res = np.flatnonzero(self._status[:n] == RESERVE)
+        if not len(res):
+            return None
+        slot = res[np.argmax(self._g[res])]
+        return self._atom_tokens[slot][0]
+
+    def smallest_active(self):
+        """The active token with the smallest coefficient, margin tokens before bound ones."""
+        self._check_fitted()
+        n = self._n
+        for code in (MARGIN, BOUND):
+            act = np.flatnonzero(self._status[:n] == code)
+            if len(act):
+                slot = act[np.argmin(self._alpha[act] / self._mult[act])]
+                return self._atom_tokens[slot][0]
+        return None
 
     # ------------------------------------------------------------------ persistence
     def save(self, path):
