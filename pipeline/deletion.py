@@ -26,6 +26,7 @@ import numpy as np
 import polars as pl
 
 from memory.cohort import CohortMemory, subject_of
+from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
 from pipeline.keys import EventKeyer
 from reports.certificates import (canonical, keyed_hash, load_key, next_entry, read_ledger,
@@ -194,7 +195,11 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                         continue
                     before = _memory_digest(cm)
                     removed_keys = np.stack([cm.memory.key_of(t) for t in tokens])
-                    cm.memory.remove_many(tokens)
+                    try:
+                        cm.memory.remove_many(tokens)
+                    except InfeasibleError as e:
+                        raise DeletionFailed(f"checkpoint {c.name}: {e}; the fixed-C memory cannot lose that many "
+                                             f"tokens by decrement -- use mode 'replay'") from None
                     memories[c.name] = len(tokens)
                     digests[c.name] = {"before": before, "after": _memory_digest(cm)}
                     verification[c.name] = _verify(cm, removed_keys, budget_refit_probes)

@@ -223,3 +223,29 @@ def test_certified_memory_states_survive_the_round_trip(workspace):
     if cm.memory.is_feasible:
         assert cm.memory.kkt_residual() <= 1e-10
     assert np.isfinite(cm.memory.rho_) or not cm.memory.is_feasible
+
+
+def test_an_infeasible_decrement_changes_nothing_and_points_to_replay(workspace, tmp_path):
+    from cohorts.definitions import load_config
+    from cohorts.streams import cohort_event_stream
+    from pipeline.deletion import DeletionFailed
+    from pipeline.keys import EventKeyer
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    ckpt = ws.checkpoints()[-1]
+    keyer = EventKeyer.load(ckpt / "keyer.parquet")
+    _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), keyer=keyer)
+    sid = int(subj[0])
+    mine = [i for i, s in enumerate(subj) if int(s) == sid][:6]
+    other = [i for i, s in enumerate(subj) if int(s) != sid][:2]
+    pick = sorted(mine + other, key=lambda i: order[i])
+    small = CohortMemory(budget=8)  # C = 1/4: at least 4 tokens must remain
+    small.feed(K[pick], [ids[i] for i in pick], [order[i] for i in pick])
+    small.save(ckpt)
+    keyer.save(ckpt / "keyer.parquet")
+    pre = _state(ws)
+    with pytest.raises(DeletionFailed, match="use mode 'replay'"):
+        delete_subject(ws, sid)
+    assert _state(ws) == pre
+    assert not any((ws.root / ".txn").glob("*"))  # the staged transaction was discarded
+    cert, path = delete_subject(ws, sid, mode="replay")
+    assert verify_certificate(path) == [] and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(sid)
