@@ -249,3 +249,29 @@ def test_an_infeasible_decrement_changes_nothing_and_points_to_replay(workspace,
     assert not any((ws.root / ".txn").glob("*"))  # the staged transaction was discarded
     cert, path = delete_subject(ws, sid, mode="replay")
     assert verify_certificate(path) == [] and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(sid)
+
+
+def test_serve_registers_the_scheduled_run_with_its_cron_schedule(prefect_server, tmp_path):
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())  # the harness's (configured) server
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--out", str(tmp_path / "ws"),
+                             "--cron", "15 4 * * *", "--budgets", "8", "--fractions", ""], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline, dep = time.monotonic() + 120, None
+        while time.monotonic() < deadline and dep is None:
+            time.sleep(2)
+            with get_client(sync_client=True) as client:
+                try:
+                    dep = client.read_deployment_by_name("forgetful-scheduled-run/forgetful-scheduled")
+                except Exception:  # not registered yet
+                    dep = None
+        assert dep is not None, proc.stdout.read1().decode() if proc.poll() is not None else "serve did not register"
+        assert [s.schedule.cron for s in dep.schedules] == ["15 4 * * *"]
+        assert dep.parameters["budgets"] == [8]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
