@@ -1,1 +1,1 @@
-"""cohorts"""
+"""Cohort, deterioration-hour and rare-item definitions, evaluation streams and the budget sweep."""

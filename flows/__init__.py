@@ -1,1 +1,1 @@
-"""flows"""
+"""Prefect flows and the forgetful command line."""

@@ -1,1 +1,1 @@
-"""reports"""
+"""The self-contained HTML report and the deletion certificates."""
