@@ -1,7 +1,12 @@
 """The ``forgetful`` command line: every command runs the same Prefect flows a deployment schedules."""
 import argparse
 import json
+import os
 import sys
+
+# The machines this runs on are often offline: Prefect's server would log an error for every failed
+# telemetry call. Users can still opt in by setting the variable themselves.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from pipeline.deletion import AlreadyDeleted, DeletionFailed
 from pipeline.extract import ExtractionError, extract

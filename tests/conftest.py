@@ -1,5 +1,7 @@
 import os
 
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 from hypothesis import settings
 
 # "ci" keeps the suite within CI's budget; HYPOTHESIS_PROFILE=stress runs the solver properties at length.
