@@ -10,7 +10,6 @@ from pathlib import Path
 
 from memory.cohort import CohortMemory
 from pipeline.keys import EventKeyer
-from reports.certificates import keyed_hash
 
 from .definitions import load_config
 from .streams import cohort_event_stream
@@ -30,11 +29,6 @@ def code_version():
     except (OSError, subprocess.SubprocessError):
         rev = ""
     return f"{v}+{rev}" if rev else v
-
-
-def stay_memory_path(ws, stay_id, key):
-    """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""
-    return ws.stay_memories / f"{keyed_hash(f'stay:{stay_id}', key)[:32]}.npz"
 
 
 def run_metadata(ws, budgets, fractions, max_events, memory_budget, seconds):

@@ -14,7 +14,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from cohorts.definitions import load_config
 from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, run_sweep
-from cohorts.runs import HEADLINE_BUDGET, run_metadata, stay_memory_path, update_cohort_memory
+from cohorts.runs import HEADLINE_BUDGET, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from pipeline.deletion import delete_subject, is_suppressed
 from pipeline.extract import extract
@@ -81,7 +81,7 @@ def prepare_streams(root, max_events):
     key = load_key(ws.root)
     ws.stay_memories.mkdir(parents=True, exist_ok=True)
     for s in streams:
-        s["memory_path"] = str(stay_memory_path(ws, s["stay_id"], key))
+        s["memory_path"] = str(ws.stay_memory(s["stay_id"], key))
     return streams, cohort
 
 

@@ -114,8 +114,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
         subject_hash = keyed_hash(sid, key)
         found, stay_ids = scan_subject(ws, sid)
         stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
-        stay_files = [p for p in (ws.stay_memories / f"{keyed_hash(f'stay:{s}', key)[:32]}.npz" for s in stay_ids)
-                      if p.exists()]
+        stay_files = [p for p in (ws.stay_memory(s, key) for s in stay_ids) if p.exists()]
         if not any(found.values()) and not stay_files:
             ledger = read_ledger(ws.ledger)
             certs = [e["certificate"] for e in ledger]

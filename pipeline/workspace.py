@@ -23,6 +23,11 @@ class Workspace:
     certificates = property(lambda self: self.root / "certificates")
     generation_file = property(lambda self: self.store / "generation.json")
 
+    def stay_memory(self, stay_id, key):
+        """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""
+        from reports.certificates import keyed_hash
+        return self.stay_memories / f"{keyed_hash(f'stay:{stay_id}', key)[:32]}.npz"
+
     def checkpoints(self):
         """Cohort-memory checkpoints, oldest first."""
         d = self.cohort_checkpoints
