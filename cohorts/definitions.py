@@ -22,10 +22,12 @@ def load_config(path=None):
             if k not in (cfg.get(section) or {}):
                 raise CohortConfigError(f"cohort config {path or DEFAULT_CONFIG} lacks {section}.{k}")
     for c in cfg["deterioration"]["criteria"]:
-        rules = [k for k in ("below", "above", "first_event") if k in c]
+        rules = [k for k in ("below", "above", "first_event", "sofa_rise") if k in c]
         if len(rules) != 1 or not c.get("codes"):
             raise CohortConfigError(f"criterion {c.get('name')!r} needs codes and exactly one of below/above/"
-                                    f"first_event")
+                                    f"first_event/sofa_rise")
+        if "sofa_rise" in c and not (c.get("components") and c.get("window_hours")):
+            raise CohortConfigError(f"criterion {c.get('name')!r} (sofa_rise) needs components and window_hours")
     if not 0.0 <= cfg["split"]["eval_fraction"] <= 1.0:
         raise CohortConfigError("split.eval_fraction must lie in [0, 1]")
     return cfg
@@ -76,10 +78,56 @@ def deterioration_hours(events, cfg):
             sel = sel.filter(pl.col("numeric_value") < c["below"])
         elif "above" in c:
             sel = sel.filter(pl.col("numeric_value") > c["above"])
+        elif "sofa_rise" in c:
+            sel = _sofa_rise_hours(events, c)
         else:
             sel = sel.sort("time").group_by("stay_id").first()
         frames.append(sel.select("stay_id", "hour", pl.lit(c["name"]).alias("criterion")))
     return pl.concat(frames).unique().sort(["stay_id", "hour", "criterion"])
+
+
+def _component_points(values, comp):
+    """SOFA points of each value for one component (0..len(cutoffs)), from its ordered cutoffs."""
+    if "any_event_scores" in comp:
+        return pl.lit(comp["any_event_scores"], dtype=pl.Int64)
+    cut = comp["cutoffs"]
+    points = pl.lit(0, dtype=pl.Int64)
+    for k, thr in enumerate(cut, start=1):
+        worse = values < thr if comp.get("lower_is_worse") else values >= thr
+        points = pl.when(worse).then(pl.lit(k, dtype=pl.Int64)).otherwise(points)
+    return points
+
+
+def hourly_sofa(events, c):
+    """(stay_id, hour, sofa): each component's worst points over the trailing window, summed, on every hour
+    from the stay's first to its last event."""
+    w = int(c["window_hours"])
+    parts = []
+    for name, comp in c["components"].items():
+        sel = events.filter(pl.col("code").is_in(comp["codes"]))
+        if "any_event_scores" not in comp:
+            sel = sel.filter(pl.col("numeric_value").is_not_null())
+        parts.append(sel.select("stay_id", "hour", _component_points(pl.col("numeric_value"), comp)
+                                .alias("points"), pl.lit(name).alias("component")))
+    pts = pl.concat(parts).group_by("stay_id", "hour", "component").agg(pl.col("points").max())
+    grid = (events.group_by("stay_id").agg(pl.int_ranges(pl.col("hour").min(), pl.col("hour").max() + 1)
+                                           .alias("hour")).explode("hour"))
+    comps = pl.DataFrame({"component": list(c["components"])})
+    full = (grid.join(comps, how="cross").join(pts, on=["stay_id", "hour", "component"], how="left")
+            .with_columns(pl.col("points").fill_null(0)).sort("stay_id", "component", "hour"))
+    full = full.with_columns(pl.col("points").rolling_max(window_size=w, min_samples=1)
+                             .over("stay_id", "component").alias("worst"))
+    return full.group_by("stay_id", "hour").agg(pl.col("worst").sum().alias("sofa")).sort("stay_id", "hour")
+
+
+def _sofa_rise_hours(events, c):
+    w = int(c["window_hours"])
+    sofa = hourly_sofa(events, c)
+    baseline = pl.col("sofa").shift(1).rolling_min(window_size=w, min_samples=1).over("stay_id")
+    risen = (pl.col("sofa") - pl.col("baseline")) >= c["sofa_rise"]
+    # only the onset hour of each rise: the score stays high for a window after it, which is not new news
+    return (sofa.with_columns(baseline.alias("baseline")).with_columns(risen.alias("risen"))
+            .filter(pl.col("risen") & ~pl.col("risen").shift(1).over("stay_id").fill_null(False)))
 
 
 def rare_codes(events, cohort, cfg):

@@ -195,3 +195,37 @@ def test_extraction_on_the_mimic_iv_demo(tmp_path):
     assert hours["stay_id"].n_unique() > 10
     ev = read_subject(tmp_path / "demo", int(cohort["subject_id"][0]))
     assert ev["time"].is_sorted()
+
+
+def test_acute_sofa_rise_hand_checked():
+    cfg = load_config()
+    crit = [c for c in cfg["deterioration"]["criteria"] if c["name"] == "acute_sofa_rise"][0]
+    rows = [(0, "LAB//51265", 200.0), (0, "LAB//50912", 1.0), (1, "CHART//220052", 80.0),
+            (10, "LAB//51265", 90.0),            # platelets < 100: coagulation 2 points
+            (12, "INPUT//221906", 2.0),          # norepinephrine: cardiovascular 3 points
+            (40, "CHART//220052", 60.0)]         # MAP < 70: 1 point, long after the rest expired
+    ev = pl.DataFrame({"stay_id": [1] * len(rows), "hour": [r[0] for r in rows], "code": [r[1] for r in rows],
+                       "numeric_value": [r[2] for r in rows]})
+    from cohorts.definitions import hourly_sofa
+    sofa = dict(zip(*hourly_sofa(ev, crit).select("hour", "sofa").to_dict(as_series=False).values()))
+    assert ([sofa[h] for h in (9, 10, 12, 33, 34, 35, 36, 40)] == [0, 2, 5, 5, 3, 3, 0, 1])
+    hours = deterioration_hours(ev.with_columns(pl.lit(None, dtype=pl.Datetime).alias("time")), cfg)
+    assert hours.filter(pl.col("criterion") == "acute_sofa_rise")["hour"].to_list() == [10]
+
+
+def test_bad_cohort_configs_are_clear_errors(tmp_path):
+    import yaml
+
+    from cohorts.definitions import CohortConfigError
+    cfg = load_config()
+    broken = dict(cfg, split={"salt": "x"})
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(broken))
+    with pytest.raises(CohortConfigError, match="lacks split.eval_fraction"):
+        load_config(tmp_path / "a.yaml")
+    crit = [dict(c) for c in cfg["deterioration"]["criteria"]]
+    for c in crit:
+        if c["name"] == "acute_sofa_rise":
+            del c["components"]
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(dict(cfg, deterioration={"criteria": crit})))
+    with pytest.raises(CohortConfigError, match="needs components and window_hours"):
+        load_config(tmp_path / "b.yaml")
