@@ -5,6 +5,7 @@ ad-hoc deletion requests. Task results that hold patient-level data (streams, pe
 persisted (``persist_result=False``); only the report rendering is cached, by its (aggregate) inputs.
 """
 import os
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -126,7 +127,6 @@ def ingest(root, source=None):
 @flow(name="forgetful-evaluate")
 def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None, chunks=None):
     """Budget sweep over the evaluation stays, parallel over chunks of stays on the flow's task runner."""
-    import time
     t0 = time.perf_counter()
     ws = Workspace(root)
     streams, cohort = prepare_streams(str(ws.root), max_events)

@@ -546,10 +546,8 @@ class SVMemory:
             slot = mem._slot_of_seq[seq]
             mem._tokens[tid] = (seq, v.copy(), arrival)
             mem._atom_tokens[slot].append(tid)
-        for slot in range(n):
-            toks = sorted(mem._atom_tokens[slot], key=lambda t: mem._tokens[t][2])
-            mem._atom_tokens[slot] = toks
-            mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in toks], axis=0)
+        for slot in range(n):  # tokens were saved in arrival order, so each atom's list already is
+            mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in mem._atom_tokens[slot]], axis=0)
         mem._S = list(meta["S"])
         mem.rho_ = meta["rho"]
         mem._fitted = meta["fitted"]

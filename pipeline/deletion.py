@@ -94,10 +94,6 @@ def _write_staged_parquet(txn, frame, final):
     return staged
 
 
-def _memory_digest(cm):
-    return cm.memory.state_digest()
-
-
 def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_refit_probes=64):
     """Delete one subject from the workspace; returns the certificate (dict) and its path.
 
@@ -192,7 +188,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                     tokens = cm.tokens_of(sid)
                     if not tokens:
                         continue
-                    before = _memory_digest(cm)
+                    before = cm.memory.state_digest()
                     removed_keys = np.stack([cm.memory.key_of(t) for t in tokens])
                     try:
                         cm.memory.remove_many(tokens)
@@ -200,7 +196,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                         raise DeletionFailed(f"checkpoint {c.name}: {e}; the fixed-C memory cannot lose that many "
                                              f"tokens by decrement -- use mode 'replay'") from None
                     memories[c.name] = len(tokens)
-                    digests[c.name] = {"before": before, "after": _memory_digest(cm)}
+                    digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
                     verification[c.name] = _verify(cm, removed_keys, budget_refit_probes)
                     staged_dir = txn.stage(c)
                     cm.save(staged_dir)
@@ -300,16 +296,16 @@ def _replay(ws, ckpts, sid, txn, n_jitter):
         return {}, {}, {}
     latest = CohortMemory.load(ckpts[-1])
     keyer = EventKeyer.load(ckpts[-1] / "keyer.parquet")
+    _, K, ids, order, subjects = cohort_event_stream(ws.store, load_config(), keyer=keyer)
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event
-    _, _, ids, order, subjects = cohort_event_stream(ws.store, load_config(), keyer=keyer)
     first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)
     clean = [c for c in ckpts if first is None or CohortMemory.load(c).watermark < first]
     base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
                                                                    gamma=latest.gamma, nu=latest.policy.nu)
-    before = _memory_digest(latest)
-    _, K, ids2, order2, subj2 = cohort_event_stream(ws.store, load_config(), keyer=keyer, after=base.watermark)
-    sel = [i for i, (o, s) in enumerate(zip(order2, subj2)) if int(s) != sid and o <= latest.watermark]
-    base.feed(K[sel], [ids2[i] for i in sel], [order2[i] for i in sel])
+    before = latest.memory.state_digest()
+    sel = [i for i, (o, s) in enumerate(zip(order, subjects))
+           if int(s) != sid and base.watermark < o <= latest.watermark]
+    base.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
     tainted = [c for c in ckpts if c not in clean]
     for c in tainted:
         txn.delete(c)
@@ -318,11 +314,11 @@ def _replay(ws, ckpts, sid, txn, n_jitter):
     base.save(staged)
     (staged / "keyer.parquet").write_bytes((ckpts[-1] / "keyer.parquet").read_bytes())
     removed_tokens = len(latest.tokens_of(sid))
-    verification = {target.name: _verify(base, np.empty((0, base.memory._dim or 1)), n_jitter)}
+    verification = {target.name: _verify(base, None, n_jitter)}
     verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
     verification[target.name]["checkpoints_removed"] = [c.name for c in tainted[:-1]]
     return ({target.name: removed_tokens}, verification,
-            {target.name: {"before": before, "after": _memory_digest(base)}})
+            {target.name: {"before": before, "after": base.memory.state_digest()}})
 
 
 def _residual_scan(ws, txn, sid, bucket, stay_files):
