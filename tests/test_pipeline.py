@@ -229,3 +229,15 @@ def test_bad_cohort_configs_are_clear_errors(tmp_path):
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(dict(cfg, deterioration={"criteria": crit})))
     with pytest.raises(CohortConfigError, match="needs components and window_hours"):
         load_config(tmp_path / "b.yaml")
+
+
+def test_a_source_without_event_tables_and_the_cli_error_exit(source, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    for t in ("hosp/transfers", "hosp/labevents", "icu/chartevents", "icu/inputevents", "icu/outputevents",
+              "icu/procedureevents"):
+        (src / f"{t}.csv.gz").unlink()
+    with pytest.raises(ExtractionError, match="has no event table"):
+        extract(src, tmp_path / "o")
+    from flows.cli import main
+    assert main(["extract", "--source", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o2")]) == 2
