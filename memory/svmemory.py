@@ -23,12 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from . import solver_core as core
 from .errors import InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, UnknownTokenError
 from .kernels import KERNEL_DIAGONAL, check_kernel, rbf, squared_distances
-from .kkt import (BOUND, MARGIN, RESERVE, bordered_matrix, bordered_rhs, degenerate_margin, kkt_residual,
-                  midpoint_rho, solve_exact)
-
-_DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
+from .kkt import BOUND, MARGIN, RESERVE, kkt_residual, midpoint_rho, solve_exact
 
 # Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
 _FEAS_SLACK = 1e-12
@@ -99,6 +97,9 @@ class SVMemory:
         Coefficient of every stored token, by token id.
     guard_events_ : collections.Counter
         Numerical safeguards that fired: refactorisations, small pivots, repairs.
+
+    The solver's inner loops (sweeps, inverse updates, polish) are compiled (``memory.solver_core``) and work
+    in place on this object's capacity-sized buffers.
     """
 
     _EPS = 1e-11       # rates below this are treated as zero when deciding whether an event is reachable
@@ -135,14 +136,27 @@ class SVMemory:
         self._arrivals = itertools.count()
         self._next_seq = itertools.count()
         self._auto_id = itertools.count()
-        self._S = []                      # margin slots, in the order of the inverse's rows
-        self._Rinv = np.empty((1, 1))
+        self._Sbuf = np.empty(0, dtype=np.int64)  # margin slots, in the order of the inverse's rows 1..m
+        self._Rbuf = np.empty((1, 1))             # bordered inverse, top-left (m + 1) block
+        self._ints = np.zeros(2, dtype=np.int64)  # [m, rank-one updates since the last refactorisation]
+        self._guards = np.zeros(len(core.GUARDS), dtype=np.int64)
         self.rho_ = float("nan")
         self._fitted = False
-        self._updates_since_refactor = 0
-        self.guard_events_ = Counter()
 
     # ------------------------------------------------------------------ properties
+    @property
+    def guard_events_(self):
+        return Counter({name: int(k) for name, k in zip(core.GUARDS, self._guards) if k})
+
+    def _margin(self):
+        """Margin slots (a view), in the order of the inverse's rows."""
+        return self._Sbuf[:self._ints[0]]
+
+    def _kkt_inverse(self):
+        """The maintained inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]] (a view)."""
+        m = int(self._ints[0])
+        return self._Rbuf[:m + 1, :m + 1]
+
     @property
     def n_tokens(self):
         return len(self._tokens)
@@ -281,6 +295,8 @@ class SVMemory:
         self._mult = grow(self._mult[:self._n], (cap,), np.int64)
         self._status = grow(self._status[:self._n], (cap,), np.int8)
         self._seq = grow(self._seq[:self._n], (cap,), np.int64)
+        self._Sbuf = grow(self._margin(), (cap,), np.int64)
+        self._Rbuf = grow(self._kkt_inverse(), (cap + 1, cap + 1))
         self._cap = cap
 
     def _new_atom(self, x, krow):
@@ -311,20 +327,17 @@ class SVMemory:
         del self._seq_of_keybytes[self._X[slot].tobytes()]
         if slot != last:
             self._X[slot] = self._X[last]
-            self._K[slot, :] = self._K[last, :]
-            self._K[:, slot] = self._K[:, last]
-            self._K[slot, slot] = self._diag
+            core.move_atom(self._K, self._n, last, slot, self._diag)
             for arr in (self._alpha, self._g, self._mult, self._status, self._seq):
                 arr[slot] = arr[last]
             self._atom_tokens[slot] = self._atom_tokens[last]
             self._value_sum[slot] = self._value_sum[last]
             self._slot_of_seq[int(self._seq[slot])] = slot
-            if last in self._S:
-                self._S[self._S.index(last)] = slot
+            pos = core.position(self._Sbuf, self._ints[0], last)
+            if pos >= 0:
+                self._Sbuf[pos] = slot
         self._atom_tokens.pop()
         self._value_sum.pop()
-        self._K[last, :] = 0.0
-        self._K[:, last] = 0.0
         self._n -= 1
 
     # ------------------------------------------------------------------ public API: add / remove
@@ -408,7 +421,7 @@ class SVMemory:
             self._value_sum[slot] = np.sum([self._tokens[t][1] for t in tokens], axis=0)
         if self._mult[slot] == 0:
             self._drop_atom(slot)
-            if self._fitted and not self._S:
+            if self._fitted and not self._ints[0]:
                 self._finish()  # rho is unpinned: its interval may have widened; return to the midpoint
 
     # ------------------------------------------------------------------ certified eviction
@@ -430,7 +443,7 @@ class SVMemory:
         box = self._box()[:n].astype(np.float64)
         if self._mult[slot] > 1:
             box[slot] -= self.C
-        rho_pinned = bool(self._S)
+        rho_pinned = bool(self._ints[0])
         rho_after = self.rho_ if rho_pinned else self._midpoint_rho(np.flatnonzero(keep))
         g_after = self._exact_g()[keep] + (rho_after - self.rho_)
         residual = kkt_residual(self._alpha[:n][keep], g_after, box[keep], self._status[:n][keep])
@@ -505,18 +518,18 @@ class SVMemory:
         meta = {
             "C": self.C, "kernel": self.kernel, "gamma": self.gamma, "tol": self.tol, "tau_res": self.tau_res,
             "refactor_every": self.refactor_every, "rho": self.rho_, "fitted": self._fitted,
-            "dim": self._dim, "value_dim": self._value_dim, "S": [int(j) for j in self._S],
+            "dim": self._dim, "value_dim": self._value_dim, "S": [int(j) for j in self._margin()],
             "tokens": [[t, int(self._tokens[t][0]), int(self._tokens[t][2])] for t in ids],
             "next_seq": int(self._seq[:n].max()) + 1 if n else 0,
             "next_arrival": max((self._tokens[t][2] for t in ids), default=-1) + 1,
-            "updates_since_refactor": self._updates_since_refactor,
+            "updates_since_refactor": int(self._ints[1]),
             "guard_events": dict(self.guard_events_),
         }
         values = np.stack([self._tokens[t][1] for t in ids]) if ids else np.empty((0, 0))
         tmp = Path(str(path) + ".tmp.npz")
         np.savez(tmp, meta=np.array(json.dumps(meta)), X=self._X[:n], K=self._K[:n, :n], alpha=self._alpha[:n],
                  g=self._g[:n], mult=self._mult[:n], status=self._status[:n], seq=self._seq[:n],
-                 Rinv=self._Rinv, values=values)
+                 Rinv=self._kkt_inverse(), values=values)
         os.replace(tmp, path)
 
     @classmethod
@@ -536,7 +549,7 @@ class SVMemory:
                 for name in ("alpha", "g", "mult", "status", "seq"):
                     getattr(mem, "_" + name)[:n] = z[name]
             mem._n = n
-            mem._Rinv = z["Rinv"].copy()
+            R = z["Rinv"]
             values = z["values"]
         mem._slot_of_seq = {int(q): i for i, q in enumerate(mem._seq[:n])}
         mem._seq_of_keybytes = {mem._X[i].tobytes(): int(mem._seq[i]) for i in range(n)}
@@ -548,11 +561,14 @@ class SVMemory:
             mem._atom_tokens[slot].append(tid)
         for slot in range(n):  # tokens were saved in arrival order, so each atom's list already is
             mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in mem._atom_tokens[slot]], axis=0)
-        mem._S = list(meta["S"])
+        m = len(meta["S"])
+        mem._Sbuf[:m] = meta["S"]
+        mem._Rbuf[:m + 1, :m + 1] = R[:m + 1, :m + 1]
+        mem._ints[:] = (m, meta["updates_since_refactor"])
+        for name, count in meta["guard_events"].items():
+            mem._guards[core.GUARDS.index(name)] = count
         mem.rho_ = meta["rho"]
         mem._fitted = meta["fitted"]
-        mem._updates_since_refactor = meta["updates_since_refactor"]
-        mem.guard_events_ = Counter(meta["guard_events"])
         mem._next_seq = itertools.count(meta["next_seq"])
         mem._arrivals = itertools.count(meta["next_arrival"])
         ints = [t for t in mem._tokens if isinstance(t, int)]
@@ -592,10 +608,16 @@ class SVMemory:
 
     # ------------------------------------------------------------------ solver
     def _exact_g(self):
-        n = self._n
-        act = np.flatnonzero(self._alpha[:n])
-        # K is symmetric; gathering rows (contiguous) instead of columns is several times faster at n ~ 1e3.
-        return self.rho_ - self._diag + 2.0 * (self._alpha[act] @ self._K[act, :n])
+        g = np.empty(self._n)
+        core.exact_g(self._K, self._alpha, self._n, self.rho_, self._diag, g)
+        return g
+
+    def _set_margin(self, slots):
+        """Make ``slots`` the margin set and refactor the inverse from K."""
+        m = len(slots)
+        self._Sbuf[:m] = slots
+        self._ints[0] = m
+        core.refactor(self._K, self._Sbuf, self._ints, self._Rbuf, self._guards)
 
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
@@ -609,10 +631,14 @@ class SVMemory:
         self._alpha[:n] = sol.alpha
         self._status[:n] = sol.status
         self.rho_ = sol.rho
-        self._S = list(np.flatnonzero(sol.status == MARGIN))
-        self._refactor()
+        self._set_margin(np.flatnonzero(sol.status == MARGIN))
         self._fitted = True
         self._finish()
+
+    def _shrink_slot(self, slot):
+        pos = core.position(self._Sbuf, self._ints[0], slot)
+        core.shrink(self._K, self._Sbuf, self._ints, self._Rbuf, self._guards, pos, self.refactor_every,
+                    self._R_CAP)
 
     def _admit(self, slot):
         """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
@@ -623,13 +649,13 @@ class SVMemory:
         if status == BOUND or (self._mult[slot] == 1 and self._g[slot] < -1e-2 * self.tol):
             # Below the boundary (or a bound atom whose box just grew): raise its coefficient.
             if status == MARGIN:
-                self._shrink(self._S.index(slot))
-            self._status[slot] = _DETACHED
+                self._shrink_slot(slot)
+            self._status[slot] = core.DETACHED
             self._sweep(slot, +1.0, float(self._mult[slot] * self.C))
             self._finish()
         elif self._mult[slot] == 1:
             self._status[slot] = RESERVE  # inside the description: no solver work
-            if not self._S:
+            if not self._ints[0]:
                 self._finish()  # rho is unpinned: keep it at the midpoint of its (possibly narrower) interval
         # A margin or reserve atom whose box grew stays optimal as it is.
 
@@ -640,8 +666,8 @@ class SVMemory:
         if status == RESERVE or self._alpha[slot] < new_box:
             return  # a zero coefficient, or one still inside the smaller box: the optimum is unchanged
         if status == MARGIN:
-            self._shrink(self._S.index(slot))
-        self._status[slot] = _DETACHED
+            self._shrink_slot(slot)
+        self._status[slot] = core.DETACHED
         self._sweep(slot, -1.0, new_box)
         if new_box == 0.0:
             self._alpha[slot] = 0.0
@@ -651,182 +677,17 @@ class SVMemory:
             self._finish()
 
     def _sweep(self, c, s, target):
-        """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
-
-        Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching
-        0 (increments only), a margin atom reaching 0 or its box, a bound or reserve atom's g reaching 0. With an
-        empty margin set only rho moves. Cost per step O(n |S| + |S|^2).
-        """
-        K, g, alpha, status = self._K, self._g, self._alpha, self._status
+        """Move a_c monotonically towards ``target`` along the exact solution path (``solver_core.sweep``)."""
         n = self._n
         box = self._box()[:n].astype(np.float64)
         box[c] = max(box[c], target)
-        eps = self._EPS
-        skip = -1
-        # Atoms whose kernel column is numerically in the span of the margin set's: admitting one would make
-        # the bordered matrix singular, so it stays at its bound with g = 0 (design note 4.6) for this sweep.
-        frozen = np.zeros(n, dtype=bool)
-        c_frozen = False
-        for _ in range(20 * n + 100):
-            S = np.asarray(self._S, dtype=np.int64)
-            if len(S):
-                v = np.empty(len(S) + 1)
-                v[0] = 1.0
-                v[1:] = 2.0 * K[S, c]
-                beta = -(self._Rinv @ v)
-                rate_g = s * (2.0 * K[c, :n] + beta[0] + 2.0 * (beta[1:] @ K[S, :n]))  # rows: K is symmetric
-                rate_g[S] = 0.0
-                rate_a = s * beta[1:]
-                rate_rho, rate_c = s * beta[0], s
-            else:
-                rate_g = np.full(n, s)
-                rate_a = np.empty(0)
-                rate_rho, rate_c = s, 0.0
-
-            best_t, kind, j = math.inf, None, -1
-            if rate_c:
-                best_t, kind = max(s * (target - alpha[c]), 0.0), "c_target"
-            if s > 0 and not c_frozen and rate_g[c] > eps:
-                t = max(-g[c], 0.0) / rate_g[c]
-                if t < best_t:
-                    best_t, kind = t, "c_margin"
-            if len(S):
-                ok = S != skip
-                up = ok & (rate_a > eps)
-                if up.any():
-                    t = (box[S[up]] - alpha[S[up]]) / rate_a[up]
-                    i = int(np.argmin(t))
-                    if t[i] < best_t:
-                        best_t, kind, j = max(t[i], 0.0), "S_to_E", int(S[up][i])
-                dn = ok & (rate_a < -eps)
-                if dn.any():
-                    t = alpha[S[dn]] / -rate_a[dn]
-                    i = int(np.argmin(t))
-                    if t[i] < best_t:
-                        best_t, kind, j = max(t[i], 0.0), "S_to_R", int(S[dn][i])
-            st = status[:n]
-            idx_all = np.arange(n)
-            for code, sel, label in ((BOUND, rate_g > eps, "E_to_S"), (RESERVE, rate_g < -eps, "R_to_S")):
-                mask = (st == code) & sel & (idx_all != skip) & ~frozen
-                if mask.any():
-                    cand = np.flatnonzero(mask)
-                    if code == BOUND:
-                        t = np.maximum(-g[cand], 0.0) / rate_g[cand]
-                    else:
-                        t = np.maximum(g[cand], 0.0) / -rate_g[cand]
-                    i = int(np.argmin(t))
-                    if t[i] < best_t:
-                        best_t, kind, j = float(t[i]), label, int(cand[i])
-            if kind is None:
-                if not len(S) and s < 0:
-                    # Every other atom is at a bound: feasibility (checked before the sweep) says their boxes
-                    # hold the unit mass, so what is left of a_c is rounding from a tie with the terminal event.
-                    # _finish verifies the result's KKT residual.
-                    alpha[c] = target
-                    status[c] = BOUND
-                    return
-                raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
-
-            t = best_t
-            if len(S):
-                alpha[S] += t * rate_a
-            alpha[c] += t * rate_c
-            self.rho_ += t * rate_rho
-            g[:n] += t * rate_g
-            skip = j if t <= 1e-14 else -1
-
-            if kind == "c_target":
-                alpha[c] = target
-                status[c] = BOUND
-                return
-            if kind == "c_margin":
-                g[c] = 0.0
-                if self._grow(c):
-                    status[c] = MARGIN
-                    return
-                c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
-                continue
-            if kind == "S_to_E":
-                alpha[j] = box[j]
-                self._shrink(self._S.index(j))
-                status[j] = BOUND
-            elif kind == "S_to_R":
-                alpha[j] = 0.0
-                self._shrink(self._S.index(j))
-                status[j] = RESERVE
-            else:
-                g[j] = 0.0
-                if self._grow(j):
-                    status[j] = MARGIN
-                else:
-                    frozen[j] = True
-        self.guard_events_["iteration_cap"] += 1
-        raise SolverError("the incremental/decremental path did not terminate")
-
-    def _grow(self, j):
-        """Append atom j to the margin set by a rank-one update of the bordered inverse.
-
-        Returns False, leaving everything unchanged, when the Schur pivot fails the relative test: j's kernel
-        column is then numerically dependent on the margin set's.
-        """
-        S = np.asarray(self._S, dtype=np.int64)
-        if not len(S):
-            self._S = [j]
-            self._Rinv = np.array([[-2.0 * self._K[j, j], 1.0], [1.0, 0.0]])
-            return True
-        v = np.empty(len(S) + 1)
-        v[0] = 1.0
-        v[1:] = 2.0 * self._K[S, j]
-        beta = -(self._Rinv @ v)
-        pivot = 2.0 * self._K[j, j] + v @ beta
-        if abs(pivot) <= self._REL_PIVOT * (abs(2.0 * self._K[j, j]) + abs(v @ beta)) or abs(pivot) <= 1e-12:
-            self.guard_events_["refused_dependent"] += 1
-            return False
-        self._S.append(j)
-        m = len(S) + 1
-        R = np.zeros((m + 1, m + 1))
-        R[:m, :m] = self._Rinv
-        b = np.append(beta, 1.0)
-        R += np.outer(b, b) / pivot
-        self._Rinv = R
-        self._after_update()
-        return True
-
-    def _shrink(self, pos):
-        """Remove the margin atom at position ``pos`` of the margin list from the bordered inverse."""
-        k = pos + 1
-        R = self._Rinv
-        keep = np.r_[0:k, k + 1:R.shape[0]]
-        if abs(R[k, k]) <= 1e-300:
-            del self._S[pos]
-            self.guard_events_["small_pivot"] += 1
-            self._refactor()
-            return
-        self._Rinv = R[np.ix_(keep, keep)] - np.outer(R[keep, k], R[k, keep]) / R[k, k]
-        del self._S[pos]
-        self._after_update()
-
-    def _after_update(self):
-        self._updates_since_refactor += 1
-        if self._updates_since_refactor >= self.refactor_every:
-            self.guard_events_["scheduled_refactor"] += 1
-            self._refactor()
-        elif self._Rinv.size and np.abs(self._Rinv).max() > self._R_CAP:
-            self.guard_events_["large_inverse"] += 1
-            self._refactor()
-
-    def _refactor(self):
-        self._updates_since_refactor = 0
-        S = np.asarray(self._S, dtype=np.int64)
-        if not len(S):
-            self._Rinv = np.empty((1, 1))
-            return
-        M = bordered_matrix(self._K, S)
-        try:
-            self._Rinv = np.linalg.inv(M)
-        except np.linalg.LinAlgError:
-            self.guard_events_["pinv"] += 1
-            self._Rinv = np.linalg.pinv(M)
+        outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._ints,
+                                        self._Rbuf, self._guards, n, c, s, target, self.rho_, self._EPS,
+                                        self._REL_PIVOT, self.refactor_every, self._R_CAP)
+        if outcome == core.SWEPT_NO_EVENT:
+            raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
+        if outcome == core.SWEPT_ITERATION_CAP:
+            raise SolverError("the incremental/decremental path did not terminate")
 
     def _finish(self, exclude=None):
         """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
@@ -835,36 +696,17 @@ class SVMemory:
         with the maintained inverse (plus one step of iterative refinement) and recomputing g from a removes it.
         """
         n = self._n
-        keep = np.ones(n, dtype=bool)
-        if exclude is not None:
-            keep[exclude] = False
-        idx = np.flatnonzero(keep)
+        ex = -1 if exclude is None else int(exclude)
         box = self._box()[:n].astype(np.float64)
-        diag = np.full(n, self._diag)
-        while True:
-            S = np.asarray(self._S, dtype=np.int64)
-            E = idx[self._status[idx] == BOUND]
-            self._alpha[E] = box[E]
-            self._alpha[idx[self._status[idx] == RESERVE]] = 0.0
-            if len(S):
-                M = bordered_matrix(self._K, S)
-                rhs = bordered_rhs(self._K, diag, box, S, E)
-                u = self._Rinv @ rhs
-                u += self._Rinv @ (rhs - M @ u)
-                self.rho_ = float(u[0])
-                self._alpha[S] = u[1:]
-            to_r, to_e = degenerate_margin(self._alpha[:n], box, self._status[:n])
-            if not (to_r.any() or to_e.any()):
-                break
-            for j in np.flatnonzero(to_r | to_e):
-                self._shrink(self._S.index(j))
-                self._status[j] = RESERVE if to_r[j] else BOUND
-        if not len(S):
-            self.rho_ = self._midpoint_rho(idx)
-        self._g[:n] = self._exact_g()
-        res = kkt_residual(self._alpha[idx], self._g[idx], box[idx], self._status[idx])
-        if res > self.tol:
-            self._repair(idx, box)
+        rho = core.polish(self._K, self._alpha, self._status, box, self._Sbuf, self._ints, self._Rbuf,
+                          self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
+        self.rho_ = float(rho) if self._ints[0] else self._midpoint_rho(self._atoms_except(ex))
+        core.exact_g(self._K, self._alpha, n, self.rho_, self._diag, self._g)
+        if core.residual(self._alpha, self._g, box, self._status, n, ex) > self.tol:
+            self._repair(self._atoms_except(ex), box)
+
+    def _atoms_except(self, slot):
+        return np.flatnonzero(np.arange(self._n) != slot)
 
     def _midpoint_rho(self, idx):
         """Midpoint rho over atoms ``idx``, summed in atom creation order so that the same state gives the same
@@ -875,7 +717,7 @@ class SVMemory:
 
     def _repair(self, idx, box):
         """Last-resort exact batch solve from the current state (counted; should be rare)."""
-        self.guard_events_["repair"] += 1
+        self._guards[core.GUARDS.index("repair")] += 1
         sub = np.ix_(idx, idx)
         sol = solve_exact(self._K[sub], box[idx], self._alpha[idx], diag=self._diag, tol=self.tol * 1e-2)
         if sol.residual > self.tol:
@@ -883,6 +725,5 @@ class SVMemory:
         self._alpha[idx] = sol.alpha
         self._status[idx] = sol.status
         self.rho_ = sol.rho
-        self._S = [int(i) for i in idx[sol.status == MARGIN]]
-        self._refactor()
+        self._set_margin(idx[sol.status == MARGIN])
         self._g[:self._n] = self._exact_g()

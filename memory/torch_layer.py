@@ -47,8 +47,8 @@ class SVCoefficients(torch.autograd.Function):
         ctx.save_for_backward(X)
         ctx.gamma, ctx.C = gamma, C
         ctx.atom_of = atom_of
-        ctx.S = np.asarray(mem._S, dtype=np.int64)
-        ctx.R = mem._Rinv.copy()
+        ctx.S = mem._margin().copy()
+        ctx.R = mem._kkt_inverse().copy()
         ctx.alpha_atoms = mem._alpha[:n].copy()
         ctx.status = mem._status[:n].copy()
         ctx.box = (mem._mult[:n] * C).astype(np.float64)

@@ -1,0 +1,422 @@
+"""Compiled inner loops of the exact solver: the incremental/decremental path, the bordered inverse, the polish.
+
+These are the operations whose cost is per bookkeeping event (design note 4.3): every step of a sweep touches
+the kernel rows of the margin set, O(n |S| + |S|^2). In interpreted numpy each step also paid ~30 array calls
+and gathered K[S, :n] into a temporary; compiled, the rows are read in place. ``SVMemory`` keeps the control
+decisions that are once per operation (feasibility, atoms, duplicates, repair) and calls these with its
+buffers, which they update in place.
+
+State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries meaningful):
+
+* ``K`` (cap, cap) Gram matrix over atoms, symmetric, so row j is column j and is read contiguously;
+* ``alpha``, ``g`` (cap,), ``status`` int8 (cap,), ``box`` float64 (n,) = multiplicity * C;
+* ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
+* ``R`` (cap + 1, cap + 1): inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block;
+* ``ints`` int64 [m, updates since the last refactorisation];
+* ``guards`` int64 counters, indexed by ``GUARDS``.
+"""
+import math
+
+import numpy as np
+from numba import njit
+
+from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE
+
+DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
+
+GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inverse", "pinv", "iteration_cap",
+          "repair")
+_REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP = range(6)
+_REFINE_STEPS = 6
+
+# Outcomes of a sweep.
+SWEPT_TO_TARGET, SWEPT_TO_MARGIN, SWEPT_NO_EVENT, SWEPT_ITERATION_CAP = range(4)
+
+
+@njit(cache=True)
+def refactor(K, S, ints, R, guards):
+    """Recompute the bordered inverse from K (pseudo-inverse when it is numerically singular)."""
+    m = ints[0]
+    ints[1] = 0
+    if m == 0:
+        return
+    M = np.empty((m + 1, m + 1))
+    M[0, 0] = 0.0
+    for a in range(m):
+        M[0, a + 1] = 1.0
+        M[a + 1, 0] = 1.0
+        for b in range(m):
+            M[a + 1, b + 1] = 2.0 * K[S[a], S[b]]
+    try:
+        R[:m + 1, :m + 1] = np.linalg.inv(M)
+    except Exception:  # noqa: BLE001 -- numba raises LinAlgError as a plain exception
+        guards[_PINV] += 1
+        R[:m + 1, :m + 1] = np.linalg.pinv(M)
+
+
+@njit(cache=True)
+def _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max):
+    """Count a rank-one update; refactor on schedule or when an inverse entry (largest: ``r_max``) blew up."""
+    ints[1] += 1
+    if ints[1] >= refactor_every:
+        guards[_SCHEDULED] += 1
+        refactor(K, S, ints, R, guards)
+    elif r_max > r_cap:
+        guards[_LARGE] += 1
+        refactor(K, S, ints, R, guards)
+
+
+@njit(cache=True)
+def _matvec(R, size, v):
+    """R[:size, :size] @ v, reading R's rows in place."""
+    out = np.zeros(size)
+    for a in range(size):
+        acc = 0.0
+        for b in range(size):
+            acc += R[a, b] * v[b]
+        out[a] = acc
+    return out
+
+
+@njit(cache=True)
+def _border_solve(K, S, m, R, c):
+    """beta = -R [1; 2 K_Sc]: the rates of (rho, a_S) per unit change of a_c."""
+    v = np.empty(m + 1)
+    v[0] = 1.0
+    for a in range(m):
+        v[a + 1] = 2.0 * K[S[a], c]
+    beta = -_matvec(R, m + 1, v)
+    return v, beta
+
+
+@njit(cache=True)
+def grow(K, S, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
+    """Append atom j to the margin set by a rank-one growth of the bordered inverse.
+
+    Returns False, changing nothing, when the Schur pivot fails the relative test: j's kernel column is then
+    numerically dependent on the margin set's.
+    """
+    m = ints[0]
+    if m == 0:
+        S[0] = j
+        ints[0] = 1
+        R[0, 0] = -2.0 * K[j, j]
+        R[0, 1] = 1.0
+        R[1, 0] = 1.0
+        R[1, 1] = 0.0
+        return True
+    v, beta = _border_solve(K, S, m, R, j)
+    vb = v @ beta
+    pivot = 2.0 * K[j, j] + vb
+    if abs(pivot) <= rel_pivot * (abs(2.0 * K[j, j]) + abs(vb)) or abs(pivot) <= 1e-12:
+        guards[_REFUSED] += 1
+        return False
+    r_max = abs(1.0 / pivot)
+    for a in range(m + 1):
+        ba = beta[a] / pivot
+        for b in range(m + 1):
+            R[a, b] += ba * beta[b]
+            r_max = max(r_max, abs(R[a, b]))
+        R[a, m + 1] = ba
+        R[m + 1, a] = ba
+        r_max = max(r_max, abs(ba))
+    R[m + 1, m + 1] = 1.0 / pivot
+    S[m] = j
+    ints[0] = m + 1
+    _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max)
+    return True
+
+
+@njit(cache=True)
+def shrink(K, S, ints, R, guards, pos, refactor_every, r_cap):
+    """Remove the margin atom at position ``pos`` of S from the bordered inverse.
+
+    The last margin atom takes its place (in S and in the inverse's rows and columns): O(|S|) moves besides
+    the O(|S|^2) rank-one downdate.
+    """
+    m = ints[0]
+    k = pos + 1
+    rkk = R[k, k]
+    S[pos] = S[m - 1]
+    ints[0] = m - 1
+    if abs(rkk) <= 1e-300:
+        guards[_SMALL_PIVOT] += 1
+        refactor(K, S, ints, R, guards)
+        return
+    col = R[:m + 1, k].copy()
+    row = R[k, :m + 1].copy()
+    r_max = 0.0  # row and column k are downdated to ~0, so the max over all entries is the kept block's
+    for a in range(m + 1):
+        ca = col[a] / rkk
+        for b in range(m + 1):
+            R[a, b] -= ca * row[b]
+            r_max = max(r_max, abs(R[a, b]))
+    # row / column m (the last) moves to k; the downdated row / column k is dropped
+    for b in range(m + 1):
+        R[k, b] = R[m, b]
+    for a in range(m + 1):
+        R[a, k] = R[a, m]
+    _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max)
+
+
+@njit(cache=True)
+def _accumulate_rows(K, rows, weights, count, n, out):
+    """out[:n] += sum_a weights[a] K[rows[a], :n], four rows per pass over ``out`` (memory-bound otherwise)."""
+    a = 0
+    while a + 4 <= count:
+        r0, r1, r2, r3 = K[rows[a]], K[rows[a + 1]], K[rows[a + 2]], K[rows[a + 3]]
+        w0, w1, w2, w3 = weights[a], weights[a + 1], weights[a + 2], weights[a + 3]
+        for i in range(n):
+            out[i] += w0 * r0[i] + w1 * r1[i] + w2 * r2[i] + w3 * r3[i]
+        a += 4
+    while a < count:
+        row = K[rows[a]]
+        w = weights[a]
+        for i in range(n):
+            out[i] += w * row[i]
+        a += 1
+
+
+@njit(cache=True)
+def position(S, m, j):
+    for a in range(m):
+        if S[a] == j:
+            return a
+    return -1
+
+
+@njit(cache=True)
+def sweep(K, g, alpha, status, box, S, ints, R, guards, n, c, s, target, rho, eps, rel_pivot, refactor_every,
+          r_cap):
+    """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
+
+    Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching 0
+    (increments only), a margin atom reaching 0 or its box, a bound or reserve atom's g reaching 0. With an
+    empty margin set only rho moves. Atoms whose kernel column is numerically in the span of the margin set's
+    stay at their bound with g = 0 for this sweep (design note 4.6): admitting one would make the bordered
+    matrix singular. ``box[c]`` must already hold max(box_c, target). A step costs O(n |S| + |S|^2); its
+    O(n |S|) part reads the margin atoms' kernel rows in place.
+
+    Returns (outcome, rho).
+    """
+    skip = -1
+    frozen = np.zeros(n, dtype=np.bool_)
+    c_frozen = False
+    rate_g = np.empty(n)
+    for _ in range(20 * n + 100):
+        m = ints[0]
+        if m > 0:
+            _, beta = _border_solve(K, S, m, R, c)
+            rate_rho = s * beta[0]
+            rate_c = s
+            row = K[c]
+            for i in range(n):
+                rate_g[i] = 2.0 * row[i] + beta[0]
+            _accumulate_rows(K, S, 2.0 * beta[1:], m, n, rate_g)
+            for i in range(n):
+                rate_g[i] *= s
+            for a in range(m):
+                rate_g[S[a]] = 0.0
+        else:
+            beta = np.zeros(1)
+            rate_g[:n] = s
+            rate_rho = s
+            rate_c = 0.0
+
+        best_t = math.inf
+        kind = -1  # 0 c_target, 1 c_margin, 2 S_to_E, 3 S_to_R, 4 E_to_S, 5 R_to_S; ties go to the lower kind
+        j = -1
+        if rate_c != 0.0:
+            best_t = max(s * (target - alpha[c]), 0.0)
+            kind = 0
+        if s > 0 and not c_frozen and rate_g[c] > eps:
+            t = max(-g[c], 0.0) / rate_g[c]
+            if t < best_t:
+                best_t, kind = t, 1
+        for a in range(m):  # margin atoms rising to their box
+            i = S[a]
+            ra = s * beta[a + 1]
+            if i != skip and ra > eps:
+                t = (box[i] - alpha[i]) / ra
+                if t < best_t:
+                    best_t, kind, j = max(t, 0.0), 2, i
+        for a in range(m):  # margin atoms falling to 0
+            i = S[a]
+            ra = s * beta[a + 1]
+            if i != skip and ra < -eps:
+                t = alpha[i] / -ra
+                if t < best_t:
+                    best_t, kind, j = max(t, 0.0), 3, i
+        # Bound atoms whose g rises to 0, reserve atoms whose g falls to 0: the earliest; on a tie a bound atom,
+        # then the lowest index (a strict "<" also keeps any earlier kind on a tie).
+        for i in range(n):
+            r = rate_g[i]
+            st = status[i]
+            if st == BOUND and r > eps:
+                t = max(-g[i], 0.0) / r
+                rank = 4
+            elif st == RESERVE and r < -eps:
+                t = max(g[i], 0.0) / -r
+                rank = 5
+            else:
+                continue
+            if (t < best_t or (t == best_t and rank < kind)) and i != skip and not frozen[i]:
+                best_t, kind, j = t, rank, i
+        if kind == -1:
+            if m == 0 and s < 0:
+                # Every other atom is at a bound: feasibility (checked before the sweep) says their boxes hold
+                # the unit mass, so what is left of a_c is rounding from a tie with the terminal event. The
+                # caller's polish verifies the result's KKT residual.
+                alpha[c] = target
+                status[c] = BOUND
+                return SWEPT_TO_TARGET, rho
+            return SWEPT_NO_EVENT, rho
+
+        t = best_t
+        for a in range(m):
+            alpha[S[a]] += t * s * beta[a + 1]
+        alpha[c] += t * rate_c
+        rho += t * rate_rho
+        for i in range(n):
+            g[i] += t * rate_g[i]
+        skip = j if t <= 1e-14 else -1
+
+        if kind == 0:
+            alpha[c] = target
+            status[c] = BOUND
+            return SWEPT_TO_TARGET, rho
+        if kind == 1:
+            g[c] = 0.0
+            if grow(K, S, ints, R, guards, c, rel_pivot, refactor_every, r_cap):
+                status[c] = MARGIN
+                return SWEPT_TO_MARGIN, rho
+            c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
+        elif kind == 2 or kind == 3:
+            alpha[j] = box[j] if kind == 2 else 0.0
+            shrink(K, S, ints, R, guards, position(S, ints[0], j), refactor_every, r_cap)
+            status[j] = BOUND if kind == 2 else RESERVE
+        else:
+            g[j] = 0.0
+            if grow(K, S, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
+                status[j] = MARGIN
+            else:
+                frozen[j] = True
+    guards[_ITER_CAP] += 1
+    return SWEPT_ITERATION_CAP, rho
+
+
+@njit(cache=True)
+def _bordered_residual(K, S, m, rhs, u):
+    """rhs - M u for the bordered matrix M = [[0, 1^T], [1, 2 K_SS]]."""
+    resid = np.empty(m + 1)
+    resid[0] = rhs[0] - u[1:].sum()
+    for a in range(m):
+        row = K[S[a]]
+        acc = u[0]
+        for b in range(m):
+            acc += 2.0 * row[S[b]] * u[b + 1]
+        resid[a + 1] = rhs[a + 1] - acc
+    return resid
+
+
+@njit(cache=True)
+def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+    """Re-solve the bordered system on the current partition with the maintained inverse (plus one step of
+    iterative refinement), moving margin atoms that sit on a bound to that bound's set, until none is left.
+
+    Returns rho (meaningless when the margin set ends empty: the caller then sets the midpoint).
+    """
+    rho = 0.0
+    while True:
+        for i in range(n):
+            if i == exclude:
+                continue
+            if status[i] == BOUND:
+                alpha[i] = box[i]
+            elif status[i] == RESERVE:
+                alpha[i] = 0.0
+        m = ints[0]
+        if m > 0:
+            E = np.empty(n, dtype=np.int64)
+            n_e = 0
+            for i in range(n):
+                if i != exclude and status[i] == BOUND:
+                    E[n_e] = i
+                    n_e += 1
+            rhs = np.empty(m + 1)
+            rhs[0] = 1.0
+            for e in range(n_e):
+                rhs[0] -= box[E[e]]
+            for a in range(m):
+                row = K[S[a]]
+                acc = diag
+                for e in range(n_e):
+                    acc -= 2.0 * row[E[e]] * box[E[e]]
+                rhs[a + 1] = acc
+            u = _matvec(R, m + 1, rhs)
+            # Iterative refinement: one step suffices for a well-conditioned margin set; near-duplicate keys
+            # need a few more, and stop when the residual no longer shrinks.
+            last = math.inf
+            for _ in range(_REFINE_STEPS):
+                resid = _bordered_residual(K, S, m, rhs, u)
+                size = np.abs(resid).max()
+                if size >= last or size == 0.0:
+                    break
+                last = size
+                u += _matvec(R, m + 1, resid)
+                if size <= 1e-14:
+                    break  # the correction of a rounding-level residual is itself below rounding
+            rho = u[0]
+            for a in range(m):
+                alpha[S[a]] = u[a + 1]
+        moved = False
+        a = 0
+        while a < ints[0]:
+            i = S[a]
+            if alpha[i] <= BOUNDARY_SNAP or alpha[i] >= box[i] - BOUNDARY_SNAP:
+                status[i] = RESERVE if alpha[i] <= BOUNDARY_SNAP else BOUND
+                shrink(K, S, ints, R, guards, a, refactor_every, r_cap)
+                moved = True
+            else:
+                a += 1
+        if not moved:
+            return rho
+
+
+@njit(cache=True)
+def exact_g(K, alpha, n, rho, diag, g):
+    """g_i = rho - k_ii + 2 sum_j a_j K_ji over the atoms with nonzero coefficients (rows: K is symmetric)."""
+    act = np.flatnonzero(alpha[:n])
+    g[:n] = rho - diag
+    _accumulate_rows(K, act, 2.0 * alpha[act], len(act), n, g)
+
+
+@njit(cache=True)
+def move_atom(K, n, src, dst, diag):
+    """Kernel row and column of atom ``src`` to slot ``dst`` (rows past n are never read, so src's are left)."""
+    for i in range(n):
+        K[dst, i] = K[src, i]
+    for i in range(n):
+        K[i, dst] = K[dst, i]
+    K[dst, dst] = diag
+
+
+@njit(cache=True)
+def residual(alpha, g, box, status, n, exclude):
+    """KKT residual over atoms 0..n-1 except ``exclude`` (same definition as ``kkt.kkt_residual``)."""
+    total = 0.0
+    worst = 0.0
+    for i in range(n):
+        if i == exclude:
+            continue
+        a = alpha[i]
+        total += a
+        worst = max(worst, -a, a - box[i])
+        st = status[i]
+        if st == MARGIN:
+            worst = max(worst, abs(g[i]))
+        elif st == RESERVE:
+            worst = max(worst, -g[i])
+        elif st == BOUND:
+            worst = max(worst, g[i])
+    return max(worst, abs(total - 1.0))
