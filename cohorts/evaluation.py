@@ -85,13 +85,29 @@ def _score_task(args):
                                                save_memory_to=save_to)
 
 
+def fraction_budget(fraction, n_events, cap):
+    """Budget of a fraction-of-stream point: round(fraction * n), at least 4, at most ``cap``.
+
+    The cap (by default the largest fixed budget) bounds the cost of the exact memories: K and the KKT inverse
+    take O(B^2) space and each event O(B |S|) time, so 20 % of a 40,000-event stay would be an 8,000-token
+    memory. Stays short enough stay below the cap and get their true fraction.
+    """
+    b = max(4, int(round(fraction * n_events)))
+    return min(b, int(cap)) if cap is not None else b
+
+
 def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, policies=tuple(POLICIES), gamma=0.5,
-              workers=None, memory_budget=None):
+              workers=None, memory_budget=None, fraction_cap="max_budget"):
     """Per-stay results for every (budget, policy); fraction budgets are labelled 'f0.1' etc.
+
+    ``fraction_cap``: the largest fraction budget (see :func:`fraction_budget`); "max_budget" (default) means
+    ``max(budgets)``, None no cap.
 
     Stays are scored in parallel processes (``workers`` defaults to the machine's cores). At ``memory_budget``
     the SV memory of every stay that has a ``memory_path`` is persisted there.
     """
+    if fraction_cap == "max_budget":
+        fraction_cap = max(budgets) if len(budgets) else None
     tasks, labels = [], []
     for stay in stays:
         n = len(stay["keys"])
@@ -100,7 +116,7 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
             tasks.append((stay, int(b), policies, gamma, save_to))
             labels.append(str(int(b)))
         for f in fractions:
-            tasks.append((stay, max(4, int(round(f * n))), policies, gamma, None))
+            tasks.append((stay, fraction_budget(f, n, fraction_cap), policies, gamma, None))
             labels.append(f"f{f:g}")
     workers = workers or os.cpu_count() or 1
     if workers > 1:

@@ -33,7 +33,10 @@ def code_version():
 
 def run_metadata(ws, budgets, fractions, max_events, memory_budget, seconds):
     return {"data_source": str(ws.store), "code_version": code_version(), "budgets": list(budgets),
-            "fractions": list(fractions), "per_stay_memories_budget": memory_budget,
+            "fractions": list(fractions),
+            "fraction_budget_rule": f"round(fraction * stay events), at least 4, at most {max(budgets)} "
+                                    "(the largest fixed budget)" if len(budgets) else "round(fraction * stay events)",
+            "per_stay_memories_budget": memory_budget,
             "max_events_per_stay": max_events, "store_generation": ws.generation(), "seconds": round(seconds, 2),
             "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "sv_rule": "C = 1/(0.5 B); evict the reserve token with the largest slack; fallback: exact decrement "

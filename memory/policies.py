@@ -32,7 +32,7 @@ class SVSelection:
         self.C = 1.0 / (nu * self.budget)
         if math.ceil(1.0 / self.C - 1e-12) > self.budget:
             raise ValueError(f"C={self.C} is infeasible for budget {budget}")
-        self.memory = memory if memory is not None else SVMemory(C=self.C, gamma=gamma)
+        self.memory = memory if memory is not None else SVMemory(C=self.C, gamma=gamma, capacity=self.budget + 1)
         self.certified = 0
         self.uncertified = 0
 

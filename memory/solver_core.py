@@ -68,13 +68,14 @@ def _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max):
 
 @njit(cache=True)
 def _matvec(R, size, v):
-    """R[:size, :size] @ v, reading R's rows in place."""
+    """R[:size, :size] @ v for the (symmetric) bordered inverse, as a sum of R's rows: the inner loop is then
+    an axpy that vectorises, where a dot product per row is a serial chain of dependent additions."""
     out = np.zeros(size)
-    for a in range(size):
-        acc = 0.0
-        for b in range(size):
-            acc += R[a, b] * v[b]
-        out[a] = acc
+    for b in range(size):
+        w = v[b]
+        row = R[b]
+        for a in range(size):
+            out[a] += w * row[a]
     return out
 
 
@@ -83,8 +84,9 @@ def _border_solve(K, S, m, R, c):
     """beta = -R [1; 2 K_Sc]: the rates of (rho, a_S) per unit change of a_c."""
     v = np.empty(m + 1)
     v[0] = 1.0
+    row = K[c]  # = column c: one row read instead of a strided column
     for a in range(m):
-        v[a + 1] = 2.0 * K[S[a], c]
+        v[a + 1] = 2.0 * row[S[a]]
     beta = -_matvec(R, m + 1, v)
     return v, beta
 
@@ -311,11 +313,12 @@ def _bordered_residual(K, S, m, rhs, u):
     resid = np.empty(m + 1)
     resid[0] = rhs[0] - u[1:].sum()
     for a in range(m):
-        row = K[S[a]]
-        acc = u[0]
-        for b in range(m):
-            acc += 2.0 * row[S[b]] * u[b + 1]
-        resid[a + 1] = rhs[a + 1] - acc
+        resid[a + 1] = rhs[a + 1] - u[0]
+    for b in range(m):  # row by row (K is symmetric): independent updates instead of one dependent chain
+        row = K[S[b]]
+        w = 2.0 * u[b + 1]
+        for a in range(m):
+            resid[a + 1] -= w * row[S[a]]
     return resid
 
 
@@ -348,11 +351,12 @@ def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor
             for e in range(n_e):
                 rhs[0] -= box[E[e]]
             for a in range(m):
-                row = K[S[a]]
-                acc = diag
-                for e in range(n_e):
-                    acc -= 2.0 * row[E[e]] * box[E[e]]
-                rhs[a + 1] = acc
+                rhs[a + 1] = diag
+            for e in range(n_e):
+                row = K[E[e]]
+                w = 2.0 * box[E[e]]
+                for a in range(m):
+                    rhs[a + 1] -= w * row[S[a]]
             u = _matvec(R, m + 1, rhs)
             # Iterative refinement: one step suffices for a well-conditioned margin set; near-duplicate keys
             # need a few more, and stop when the residual no longer shrinks.

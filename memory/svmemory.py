@@ -19,6 +19,7 @@ import os
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,10 @@ from .kkt import BOUND, MARGIN, RESERVE, kkt_residual, midpoint_rho, solve_exact
 
 # Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
 _FEAS_SLACK = 1e-12
+
+
+def _encode_ids(token_ids):
+    return "\x1f".join(map(repr, token_ids)).encode()
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,9 @@ class SVMemory:
         Reserve tokens with ``g <= tau_res`` are certified but flagged as not strictly complementary.
     refactor_every : int
         Recompute the KKT inverse from scratch after this many rank-one updates.
+    capacity : int, optional
+        Atoms to allocate storage for up front (a budgeted memory knows it holds at most B + 1); storage grows
+        by doubling past it.
 
     Attributes
     ----------
@@ -106,7 +114,7 @@ class SVMemory:
     _REL_PIVOT = 1e-9  # relative Schur-pivot test for a rank-one growth of the inverse
     _R_CAP = 1e9       # an inverse entry above this triggers a refactorisation
 
-    def __init__(self, C, kernel="rbf", gamma=1.0, tol=1e-10, tau_res=1e-10, refactor_every=500):
+    def __init__(self, C, kernel="rbf", gamma=1.0, tol=1e-10, tau_res=1e-10, refactor_every=500, capacity=None):
         C = float(C)
         if not math.isfinite(C) or C <= 0.0:
             raise InfeasibleError(f"C must be a positive finite number, got {C!r}")
@@ -116,6 +124,7 @@ class SVMemory:
         self.tol = float(tol)
         self.tau_res = float(tau_res)
         self.refactor_every = int(refactor_every)
+        self.capacity = None if capacity is None else int(capacity)
         self._diag = KERNEL_DIAGONAL[kernel]
         self._dim = None
         self._value_dim = None
@@ -130,6 +139,7 @@ class SVMemory:
         self._seq = np.empty(0, dtype=np.int64)  # creation order of atoms: the canonical summation order
         self._atom_tokens = []            # per slot: list of token ids, in arrival order
         self._value_sum = []              # per slot: sum of its tokens' values
+        self._atom_ids = []               # per slot: its token ids, encoded for the state digest
         self._slot_of_seq = {}
         self._seq_of_keybytes = {}
         self._tokens = {}                 # token id -> (atom seq, value, arrival number)
@@ -278,7 +288,7 @@ class SVMemory:
     def _ensure_capacity(self, n):
         if n <= self._cap:
             return
-        cap = max(16, 2 * self._cap, n)
+        cap = max(16, 2 * self._cap, n) if self._cap or self.capacity is None else max(n, self.capacity)
         d = self._dim
 
         def grow(a, shape, dtype=np.float64):
@@ -316,6 +326,7 @@ class SVMemory:
         self._seq_of_keybytes[x.tobytes()] = seq
         self._atom_tokens.append([])
         self._value_sum.append(None)
+        self._atom_ids.append(b"")
         self._n += 1
         return slot
 
@@ -332,12 +343,14 @@ class SVMemory:
                 arr[slot] = arr[last]
             self._atom_tokens[slot] = self._atom_tokens[last]
             self._value_sum[slot] = self._value_sum[last]
+            self._atom_ids[slot] = self._atom_ids[last]
             self._slot_of_seq[int(self._seq[slot])] = slot
             pos = core.position(self._Sbuf, self._ints[0], last)
             if pos >= 0:
                 self._Sbuf[pos] = slot
         self._atom_tokens.pop()
         self._value_sum.pop()
+        self._atom_ids.pop()
         self._n -= 1
 
     # ------------------------------------------------------------------ public API: add / remove
@@ -370,6 +383,7 @@ class SVMemory:
             slot = self._slot_of_seq[seq]
         self._tokens[token_id] = (int(self._seq[slot]), v, next(self._arrivals))
         self._atom_tokens[slot].append(token_id)
+        self._atom_ids[slot] = _encode_ids(self._atom_tokens[slot])
         self._value_sum[slot] = v.copy() if self._value_sum[slot] is None else self._value_sum[slot] + v
         self._mult[slot] += 1
 
@@ -419,6 +433,7 @@ class SVMemory:
         if tokens:
             # Re-summed from the remaining tokens, not by subtraction, so the atom's mean value is exact.
             self._value_sum[slot] = np.sum([self._tokens[t][1] for t in tokens], axis=0)
+            self._atom_ids[slot] = _encode_ids(tokens)
         if self._mult[slot] == 0:
             self._drop_atom(slot)
             if self._fitted and not self._ints[0]:
@@ -445,7 +460,9 @@ class SVMemory:
             box[slot] -= self.C
         rho_pinned = bool(self._ints[0])
         rho_after = self.rho_ if rho_pinned else self._midpoint_rho(np.flatnonzero(keep))
-        g_after = self._exact_g()[keep] + (rho_after - self.rho_)
+        # The maintained g is exact: every solver operation ends by recomputing it from the coefficients, and
+        # admitting or evicting a reserve token changes no coefficient.
+        g_after = self._g[:n][keep] + (rho_after - self.rho_)
         residual = kkt_residual(self._alpha[:n][keep], g_after, box[keep], self._status[:n][keep])
         gj = float(self._g[slot])
         return EvictionCertificate(
@@ -474,15 +491,31 @@ class SVMemory:
         return cert
 
     def state_digest(self, exclude=None, rho=None):
-        """SHA-256 over the solution state (C, gamma, rho, and every token's id, key and coefficient)."""
+        """SHA-256 over the solution state: C, gamma, rho, and every atom's token ids, key and per-token
+        coefficient, atoms in creation order (so the digest does not depend on how atoms occupy slots).
+
+        ``exclude``: the digest of the state without that token (its coefficient unchanged: a reserve token's
+        is 0), with ``rho`` in place of the current offset.
+        """
         h = hashlib.sha256()
         rho = rho if rho is not None else (self.rho_ if self._fitted else float("nan"))
         h.update(struct.pack("<3d", self.C, self.gamma, rho))
-        toks = [t for t in self.token_ids() if t != exclude]
-        slots = np.fromiter((self._slot_of_seq[self._tokens[t][0]] for t in toks), dtype=np.int64, count=len(toks))
-        h.update("\x1f".join(map(repr, toks)).encode())
-        h.update(np.ascontiguousarray(self._X[slots]).tobytes())
-        coef = self._alpha[slots] / self._mult[slots] if self._fitted else np.zeros(len(toks))
+        n = self._n
+        order = np.argsort(self._seq[:n], kind="stable")
+        ids = [self._atom_ids[i] for i in order] if n < 2 else list(itemgetter(*order)(self._atom_ids))
+        mult = self._mult[:n].copy()
+        if exclude is not None:
+            slot = self._slot(exclude)
+            pos = int(np.flatnonzero(order == slot)[0])
+            mult[slot] -= 1
+            if mult[slot]:
+                ids[pos] = _encode_ids([t for t in self._atom_tokens[slot] if t != exclude])
+            else:
+                del ids[pos]
+                order = np.delete(order, pos)
+        h.update(b"\x1e".join(ids))
+        h.update(np.ascontiguousarray(self._X[order]).tobytes())
+        coef = self._alpha[order] / mult[order] if self._fitted else np.zeros(len(order))
         h.update(coef.tobytes())
         return h.hexdigest()
 
@@ -517,7 +550,7 @@ class SVMemory:
         ids = self.token_ids()
         meta = {
             "C": self.C, "kernel": self.kernel, "gamma": self.gamma, "tol": self.tol, "tau_res": self.tau_res,
-            "refactor_every": self.refactor_every, "rho": self.rho_, "fitted": self._fitted,
+            "refactor_every": self.refactor_every, "capacity": self.capacity, "rho": self.rho_, "fitted": self._fitted,
             "dim": self._dim, "value_dim": self._value_dim, "S": [int(j) for j in self._margin()],
             "tokens": [[t, int(self._tokens[t][0]), int(self._tokens[t][2])] for t in ids],
             "next_seq": int(self._seq[:n].max()) + 1 if n else 0,
@@ -538,7 +571,8 @@ class SVMemory:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             mem = cls(C=meta["C"], kernel=meta["kernel"], gamma=meta["gamma"], tol=meta["tol"],
-                      tau_res=meta["tau_res"], refactor_every=meta["refactor_every"])
+                      tau_res=meta["tau_res"], refactor_every=meta["refactor_every"],
+                      capacity=meta.get("capacity"))
             n = len(z["alpha"])
             mem._dim, mem._value_dim = meta["dim"], meta["value_dim"]
             if mem._dim is not None:
@@ -559,8 +593,10 @@ class SVMemory:
             slot = mem._slot_of_seq[seq]
             mem._tokens[tid] = (seq, v.copy(), arrival)
             mem._atom_tokens[slot].append(tid)
+        mem._atom_ids = [b""] * n
         for slot in range(n):  # tokens were saved in arrival order, so each atom's list already is
             mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in mem._atom_tokens[slot]], axis=0)
+            mem._atom_ids[slot] = _encode_ids(mem._atom_tokens[slot])
         m = len(meta["S"])
         mem._Sbuf[:m] = meta["S"]
         mem._Rbuf[:m + 1, :m + 1] = R[:m + 1, :m + 1]

@@ -149,3 +149,17 @@ def test_report_is_self_contained_and_covers_every_policy_and_budget(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert {r["policy"] for r in data["summary"]} == set(POLICIES)
     assert "stay_id" not in text
+
+
+def test_fraction_budgets_are_capped_at_the_largest_fixed_budget():
+    from cohorts.evaluation import fraction_budget
+    assert fraction_budget(0.1, 300, cap=64) == 30
+    assert fraction_budget(0.2, 40_000, cap=256) == 256
+    assert fraction_budget(0.01, 100, cap=256) == 4
+    assert fraction_budget(0.2, 40_000, cap=None) == 8000
+    rng = np.random.default_rng(0)
+    n = 400
+    stay = {"stay_id": 1, "subject_id": 1, "keys": rng.standard_normal((n, 3)), "hours": np.arange(n) // 20,
+            "deteriorating": np.zeros(n, dtype=bool), "rare": np.zeros(n, dtype=bool)}
+    rows = run_sweep([stay], budgets=(8, 16), fractions=(0.5,), policies=("recency",), workers=1)
+    assert {r["budget"]: r["kept"] for r in rows} == {"8": 8, "16": 16, "f0.5": 16}

@@ -149,3 +149,23 @@ def test_save_and_load_round_trip_bit_for_bit_and_resume(filled, tmp_path):
     back.remove(victim)
     assert back.state_digest() == mem.state_digest()
     assert verify_against_refit(back).max_dev <= 1e-8
+
+
+def test_preallocated_capacity_changes_no_result_and_digest_tracks_the_state():
+    rng = np.random.default_rng(11)
+    X = rng.standard_normal((40, 3))
+    grown, sized = SVMemory(C=1 / 8, gamma=0.5), SVMemory(C=1 / 8, gamma=0.5, capacity=41)
+    for x in X:
+        grown.add(x)
+        sized.add(x)
+    assert sized._cap == 41 and grown._cap == 64
+    assert sized.state_digest() == grown.state_digest()
+    before = grown.state_digest()
+    victim = sorted(grown.partition().margin)[0]
+    grown.remove(victim)
+    assert grown.state_digest() != before  # coefficients moved
+    # a token id is part of the state: the same keys under other ids digest differently
+    renamed = SVMemory(C=1 / 8, gamma=0.5)
+    for i, x in enumerate(X):
+        renamed.add(x, token_id=f"t{i}")
+    assert renamed.state_digest() != sized.state_digest()
