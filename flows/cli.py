@@ -68,19 +68,21 @@ def main(argv=None):
                 return 1
             print(f"ok: {args.certificate} and the ledger chain verify")
         elif args.cmd == "delete":
-            from flows.prefect_flows import delete_patient
-            path = delete_patient(args.out, args.subject_id, mode=args.mode, wait_seconds=args.wait)
+            from flows.prefect_flows import delete_patient, shared_api_server
+            with shared_api_server():
+                path = delete_patient(args.out, args.subject_id, mode=args.mode, wait_seconds=args.wait)
             print(f"certificate: {path}")
         else:
-            from flows.prefect_flows import scheduled_run
+            from flows.prefect_flows import scheduled_run, shared_api_server
             params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
                           max_events=args.max_events, cohort_budget=args.cohort_budget,
                           task_runner=args.task_runner, workers=args.workers,
                           encoder_steps=args.encoder_steps)
-            if args.cmd == "serve":
-                scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
-                return 0
-            out = scheduled_run(**params)
+            with shared_api_server():
+                if args.cmd == "serve":
+                    scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
+                    return 0
+                out = scheduled_run(**params)
             print(f"report: {out['report']}")
             for r in out["result"]["summary"]:
                 if r["metric"] in ("det_retention_end", "rare_recall") and r["budget"] in ("32", "64"):

@@ -6,6 +6,7 @@ persisted (``persist_result=False``); only the report rendering is cached, by it
 """
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -14,7 +15,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from cohorts.definitions import load_config
-from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, run_sweep
+from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, balanced_chunks, run_sweep
 from cohorts.runs import HEADLINE_BUDGET, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from pipeline.deletion import delete_subject, is_suppressed
@@ -27,6 +28,31 @@ from reports.certificates import load_key
 from reports.html import render_report
 
 TASK_RUNNERS = ("process", "thread", "dask")
+
+
+@contextmanager
+def shared_api_server():
+    """One Prefect API for every process of a run.
+
+    With no ``PREFECT_API_URL`` configured, Prefect starts a temporary server per interpreter, so each
+    process-pool worker (a fresh interpreter) started its own and reported its task runs there, not to the
+    flow's. This starts the temporary server once and exports its URL (settings here, environment for the
+    workers); a configured URL is used as it is.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    if PREFECT_API_URL.value():
+        yield PREFECT_API_URL.value()
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+    server = SubprocessASGIServer()
+    server.start()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        server.stop()
 
 
 def make_task_runner(kind="process", workers=None):
@@ -130,8 +156,7 @@ def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_eve
     t0 = time.perf_counter()
     ws = Workspace(root)
     streams, cohort = prepare_streams(str(ws.root), max_events)
-    n = chunks or (os.cpu_count() or 1) * 2
-    parts = [streams[i::n] for i in range(n) if streams[i::n]]
+    parts = balanced_chunks(streams, chunks or (os.cpu_count() or 1) * 4)
     memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else max(budgets)
     futures = score_chunk.map(parts, budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
                               memory_budget=unmapped(memory_budget))

@@ -388,6 +388,20 @@ def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor
 
 
 @njit(cache=True)
+def finish(K, alpha, g, status, box, S, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+    """End of an operation: polish, then recompute every g from the coefficients and the KKT residual.
+
+    Returns (rho, residual); with an empty margin set rho is not pinned by the system and (nan, nan) is
+    returned: the caller sets the midpoint rho and recomputes g.
+    """
+    rho = polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor_every, r_cap)
+    if ints[0] == 0:
+        return math.nan, math.nan
+    exact_g(K, alpha, n, rho, diag, g)
+    return rho, residual(alpha, g, box, status, n, exclude)
+
+
+@njit(cache=True)
 def exact_g(K, alpha, n, rho, diag, g):
     """g_i = rho - k_ii + 2 sum_j a_j K_ji over the atoms with nonzero coefficients (rows: K is symmetric)."""
     act = np.flatnonzero(alpha[:n])

@@ -33,8 +33,9 @@ from .kkt import BOUND, MARGIN, RESERVE, kkt_residual, midpoint_rho, solve_exact
 _FEAS_SLACK = 1e-12
 
 
-def _encode_ids(token_ids):
-    return "\x1f".join(map(repr, token_ids)).encode()
+def _atom_leaf(key, token_ids):
+    """Digest leaf of one atom: its key's bytes and its token ids (in arrival order)."""
+    return hashlib.sha256(key.tobytes() + b"\x1d" + "\x1f".join(map(repr, token_ids)).encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class SVMemory:
         self._seq = np.empty(0, dtype=np.int64)  # creation order of atoms: the canonical summation order
         self._atom_tokens = []            # per slot: list of token ids, in arrival order
         self._value_sum = []              # per slot: sum of its tokens' values
-        self._atom_ids = []               # per slot: its token ids, encoded for the state digest
+        self._atom_leaf = []              # per slot: SHA-256 of its key and token ids (state digest leaves)
         self._slot_of_seq = {}
         self._seq_of_keybytes = {}
         self._tokens = {}                 # token id -> (atom seq, value, arrival number)
@@ -282,7 +283,7 @@ class SVMemory:
         return self._slot_of_seq[seq]
 
     def _box(self):
-        return self._mult * self.C
+        return self._mult[:self._n] * self.C  # a new float64 array: callers may modify it
 
     # ------------------------------------------------------------------ storage
     def _ensure_capacity(self, n):
@@ -326,7 +327,7 @@ class SVMemory:
         self._seq_of_keybytes[x.tobytes()] = seq
         self._atom_tokens.append([])
         self._value_sum.append(None)
-        self._atom_ids.append(b"")
+        self._atom_leaf.append(b"")
         self._n += 1
         return slot
 
@@ -343,14 +344,14 @@ class SVMemory:
                 arr[slot] = arr[last]
             self._atom_tokens[slot] = self._atom_tokens[last]
             self._value_sum[slot] = self._value_sum[last]
-            self._atom_ids[slot] = self._atom_ids[last]
+            self._atom_leaf[slot] = self._atom_leaf[last]
             self._slot_of_seq[int(self._seq[slot])] = slot
             pos = core.position(self._Sbuf, self._ints[0], last)
             if pos >= 0:
                 self._Sbuf[pos] = slot
         self._atom_tokens.pop()
         self._value_sum.pop()
-        self._atom_ids.pop()
+        self._atom_leaf.pop()
         self._n -= 1
 
     # ------------------------------------------------------------------ public API: add / remove
@@ -383,7 +384,7 @@ class SVMemory:
             slot = self._slot_of_seq[seq]
         self._tokens[token_id] = (int(self._seq[slot]), v, next(self._arrivals))
         self._atom_tokens[slot].append(token_id)
-        self._atom_ids[slot] = _encode_ids(self._atom_tokens[slot])
+        self._atom_leaf[slot] = _atom_leaf(self._X[slot], self._atom_tokens[slot])
         self._value_sum[slot] = v.copy() if self._value_sum[slot] is None else self._value_sum[slot] + v
         self._mult[slot] += 1
 
@@ -433,7 +434,7 @@ class SVMemory:
         if tokens:
             # Re-summed from the remaining tokens, not by subtraction, so the atom's mean value is exact.
             self._value_sum[slot] = np.sum([self._tokens[t][1] for t in tokens], axis=0)
-            self._atom_ids[slot] = _encode_ids(tokens)
+            self._atom_leaf[slot] = _atom_leaf(self._X[slot], tokens)
         if self._mult[slot] == 0:
             self._drop_atom(slot)
             if self._fitted and not self._ints[0]:
@@ -452,18 +453,20 @@ class SVMemory:
         if self.n_tokens == 1:
             raise InfeasibleError(f"cannot evict token {token_id!r}: it is the memory's last token")
         n = self._n
-        keep = np.ones(n, dtype=bool)
-        if self._mult[slot] == 1:
-            keep[slot] = False
-        box = self._box()[:n].astype(np.float64)
-        if self._mult[slot] > 1:
+        leaves = self._mult[slot] == 1  # the atom goes; otherwise it loses one copy (and C of its box)
+        gone = slot if leaves else -1
+        box = self._box()
+        if not leaves:
             box[slot] -= self.C
         rho_pinned = bool(self._ints[0])
-        rho_after = self.rho_ if rho_pinned else self._midpoint_rho(np.flatnonzero(keep))
         # The maintained g is exact: every solver operation ends by recomputing it from the coefficients, and
         # admitting or evicting a reserve token changes no coefficient.
-        g_after = self._g[:n][keep] + (rho_after - self.rho_)
-        residual = kkt_residual(self._alpha[:n][keep], g_after, box[keep], self._status[:n][keep])
+        if rho_pinned:
+            rho_after, g_after = self.rho_, self._g
+        else:
+            rho_after = self._midpoint_rho(np.flatnonzero(np.arange(n) != gone))
+            g_after = self._g[:n] + (rho_after - self.rho_)
+        residual = float(core.residual(self._alpha, g_after, box, self._status, n, gone))
         gj = float(self._g[slot])
         return EvictionCertificate(
             token_id=token_id, alpha=float(self._alpha[slot]), decision_value=gj, margin=gj,
@@ -491,8 +494,9 @@ class SVMemory:
         return cert
 
     def state_digest(self, exclude=None, rho=None):
-        """SHA-256 over the solution state: C, gamma, rho, and every atom's token ids, key and per-token
-        coefficient, atoms in creation order (so the digest does not depend on how atoms occupy slots).
+        """SHA-256 over the solution state: C, gamma, rho, then every atom's leaf (SHA-256 of its key and token
+        ids, cached per atom) and per-token coefficient, atoms in creation order (so the digest does not depend
+        on how atoms occupy slots).
 
         ``exclude``: the digest of the state without that token (its coefficient unchanged: a reserve token's
         is 0), with ``rho`` in place of the current offset.
@@ -502,19 +506,18 @@ class SVMemory:
         h.update(struct.pack("<3d", self.C, self.gamma, rho))
         n = self._n
         order = np.argsort(self._seq[:n], kind="stable")
-        ids = [self._atom_ids[i] for i in order] if n < 2 else list(itemgetter(*order)(self._atom_ids))
+        leaves = [self._atom_leaf[i] for i in order] if n < 2 else list(itemgetter(*order)(self._atom_leaf))
         mult = self._mult[:n].copy()
         if exclude is not None:
             slot = self._slot(exclude)
             pos = int(np.flatnonzero(order == slot)[0])
             mult[slot] -= 1
             if mult[slot]:
-                ids[pos] = _encode_ids([t for t in self._atom_tokens[slot] if t != exclude])
+                leaves[pos] = _atom_leaf(self._X[slot], [t for t in self._atom_tokens[slot] if t != exclude])
             else:
-                del ids[pos]
+                del leaves[pos]
                 order = np.delete(order, pos)
-        h.update(b"\x1e".join(ids))
-        h.update(np.ascontiguousarray(self._X[order]).tobytes())
+        h.update(b"".join(leaves))
         coef = self._alpha[order] / mult[order] if self._fitted else np.zeros(len(order))
         h.update(coef.tobytes())
         return h.hexdigest()
@@ -593,10 +596,10 @@ class SVMemory:
             slot = mem._slot_of_seq[seq]
             mem._tokens[tid] = (seq, v.copy(), arrival)
             mem._atom_tokens[slot].append(tid)
-        mem._atom_ids = [b""] * n
+        mem._atom_leaf = [b""] * n
         for slot in range(n):  # tokens were saved in arrival order, so each atom's list already is
             mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in mem._atom_tokens[slot]], axis=0)
-            mem._atom_ids[slot] = _encode_ids(mem._atom_tokens[slot])
+            mem._atom_leaf[slot] = _atom_leaf(mem._X[slot], mem._atom_tokens[slot])
         m = len(meta["S"])
         mem._Sbuf[:m] = meta["S"]
         mem._Rbuf[:m + 1, :m + 1] = R[:m + 1, :m + 1]
@@ -715,7 +718,7 @@ class SVMemory:
     def _sweep(self, c, s, target):
         """Move a_c monotonically towards ``target`` along the exact solution path (``solver_core.sweep``)."""
         n = self._n
-        box = self._box()[:n].astype(np.float64)
+        box = self._box()[:n]
         box[c] = max(box[c], target)
         outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._ints,
                                         self._Rbuf, self._guards, n, c, s, target, self.rho_, self._EPS,
@@ -733,12 +736,16 @@ class SVMemory:
         """
         n = self._n
         ex = -1 if exclude is None else int(exclude)
-        box = self._box()[:n].astype(np.float64)
-        rho = core.polish(self._K, self._alpha, self._status, box, self._Sbuf, self._ints, self._Rbuf,
-                          self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
-        self.rho_ = float(rho) if self._ints[0] else self._midpoint_rho(self._atoms_except(ex))
-        core.exact_g(self._K, self._alpha, n, self.rho_, self._diag, self._g)
-        if core.residual(self._alpha, self._g, box, self._status, n, ex) > self.tol:
+        box = self._box()[:n]
+        rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._ints,
+                               self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
+        if self._ints[0]:
+            self.rho_ = float(rho)
+        else:
+            self.rho_ = self._midpoint_rho(self._atoms_except(ex))
+            core.exact_g(self._K, self._alpha, n, self.rho_, self._diag, self._g)
+            res = core.residual(self._alpha, self._g, box, self._status, n, ex)
+        if res > self.tol:
             self._repair(self._atoms_except(ex), box)
 
     def _atoms_except(self, slot):

@@ -163,3 +163,15 @@ def test_fraction_budgets_are_capped_at_the_largest_fixed_budget():
             "deteriorating": np.zeros(n, dtype=bool), "rare": np.zeros(n, dtype=bool)}
     rows = run_sweep([stay], budgets=(8, 16), fractions=(0.5,), policies=("recency",), workers=1)
     assert {r["budget"]: r["kept"] for r in rows} == {"8": 8, "16": 16, "f0.5": 16}
+
+
+def test_balanced_chunks_spread_the_work_and_keep_every_stay():
+    from cohorts.evaluation import balanced_chunks
+    sizes = [40_000, 3000, 2500, 2000, 1500, 1000, 900, 800, 700]
+    stays = [{"stay_id": i, "keys": np.zeros((n, 1))} for i, n in enumerate(sizes)]
+    chunks = balanced_chunks(stays, 4)
+    assert sorted(s["stay_id"] for c in chunks for s in c) == list(range(len(sizes)))
+    loads = [sum(len(s["keys"]) for s in c) for c in chunks]
+    assert loads == sorted(loads, reverse=True) and loads[0] == 40_000  # the long stay alone, first
+    assert max(loads[1:]) - min(loads[1:]) <= 1500
+    assert len(balanced_chunks(stays[:2], 8)) == 2

@@ -275,3 +275,29 @@ def test_serve_registers_the_scheduled_run_with_its_cron_schedule(prefect_server
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+SHARED_SERVER_PROBE = """
+import multiprocessing, os, sys, urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from flows.prefect_flows import shared_api_server
+with shared_api_server() as url:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        child = ex.submit(os.getenv, "PREFECT_API_URL").result()
+    status = urllib.request.urlopen(url + "/health", timeout=30).status
+print(url, child, status)
+print("after", os.getenv("PREFECT_API_URL"))
+"""
+
+
+def test_one_temporary_api_server_is_shared_with_worker_processes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    proc = subprocess.run([sys.executable, "-c", SHARED_SERVER_PROBE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()[-2:]
+    url, child, status = first.split()
+    assert url.startswith("http://127.0.0.1:") and child == url and status == "200"
+    assert second == "after None"
+    assert (proc.stdout + proc.stderr).count("Starting temporary server") <= 1
