@@ -108,16 +108,20 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
     """
     if fraction_cap == "max_budget":
         fraction_cap = max(budgets) if len(budgets) else None
-    tasks, labels = [], []
+    # Each distinct (stay, budget) is scored once: a fraction point that lands on a fixed budget (or on the
+    # cap) is the same deterministic computation, so its rows are copies under its own label.
+    tasks, task_of, labels = [], {}, []
     for stay in stays:
         n = len(stay["keys"])
-        for b in budgets:
-            save_to = stay.get("memory_path") if memory_budget == int(b) else None
-            tasks.append((stay, int(b), policies, gamma, save_to))
-            labels.append(str(int(b)))
-        for f in fractions:
-            tasks.append((stay, fraction_budget(f, n, fraction_cap), policies, gamma, None))
-            labels.append(f"f{f:g}")
+        points = [(str(int(b)), int(b)) for b in budgets]
+        points += [(f"f{f:g}", fraction_budget(f, n, fraction_cap)) for f in fractions]
+        for label, b in points:
+            key = (stay["stay_id"], b)
+            if key not in task_of:
+                task_of[key] = len(tasks)
+                save_to = stay.get("memory_path") if memory_budget == b else None
+                tasks.append((stay, b, policies, gamma, save_to))
+            labels.append((label, task_of[key]))
     workers = workers or os.cpu_count() or 1
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as ex:
@@ -126,7 +130,8 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
         results = [_score_task(t) for t in tasks]
     subject = {s["stay_id"]: s.get("subject_id") for s in stays}
     out = []
-    for label, (stay_id, _, per_policy) in zip(labels, results):
+    for label, i in labels:
+        stay_id, _, per_policy = results[i]
         for pol, m in per_policy.items():
             out.append({"stay_id": stay_id, "subject_id": subject[stay_id], "budget": label, "policy": pol, **m})
     return out

@@ -175,3 +175,23 @@ def test_balanced_chunks_spread_the_work_and_keep_every_stay():
     assert loads == sorted(loads, reverse=True) and loads[0] == 40_000  # the long stay alone, first
     assert max(loads[1:]) - min(loads[1:]) <= 1500
     assert len(balanced_chunks(stays[:2], 8)) == 2
+
+
+def test_a_fraction_point_on_a_fixed_budget_is_scored_once(monkeypatch):
+    import cohorts.evaluation as ev
+    calls = []
+    real = ev.score_stay
+    monkeypatch.setattr(ev, "score_stay", lambda stay, budget, *a, **k: calls.append(budget) or real(stay, budget,
+                                                                                                       *a, **k))
+    rng = np.random.default_rng(1)
+    n = 200
+    stay = {"stay_id": 7, "subject_id": 7, "keys": rng.standard_normal((n, 3)), "hours": np.arange(n) // 10,
+            "deteriorating": np.arange(n) % 17 == 0, "rare": np.arange(n) % 31 == 0}
+    rows = ev.run_sweep([stay], budgets=(8, 20), fractions=(0.1, 0.5), policies=("sv_certified", "random"),
+                        workers=1)
+    assert sorted(calls) == [8, 20]  # f0.1 -> 20 (a fixed budget), f0.5 -> 100 capped at 20
+    by = {(r["budget"], r["policy"]): r for r in rows}
+    assert set(b for b, _ in by) == {"8", "20", "f0.1", "f0.5"}
+    for label in ("f0.1", "f0.5"):
+        assert {k: v for k, v in by[(label, "sv_certified")].items() if k != "budget"} == \
+               {k: v for k, v in by[("20", "sv_certified")].items() if k != "budget"}
