@@ -37,7 +37,8 @@ def shared_api_server():
     With no ``PREFECT_API_URL`` configured, Prefect starts a temporary server per interpreter, so each
     process-pool worker (a fresh interpreter) started its own and reported its task runs there, not to the
     flow's. This starts the temporary server once and exports its URL (settings here, environment for the
-    workers); a configured URL is used as it is.
+    workers); a configured URL is used as it is. The server is left to Prefect's exit hook: it must outlive
+    the log and event services that drain into it when the interpreter exits.
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
     if PREFECT_API_URL.value():
@@ -52,7 +53,6 @@ def shared_api_server():
             yield server.api_url
     finally:
         os.environ.pop("PREFECT_API_URL", None)
-        server.stop()
 
 
 def make_task_runner(kind="process", workers=None):

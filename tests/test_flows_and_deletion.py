@@ -277,27 +277,16 @@ def test_serve_registers_the_scheduled_run_with_its_cron_schedule(prefect_server
         proc.wait(timeout=30)
 
 
-SHARED_SERVER_PROBE = """
-import multiprocessing, os, sys, urllib.request
-from concurrent.futures import ProcessPoolExecutor
-from flows.prefect_flows import shared_api_server
-with shared_api_server() as url:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        child = ex.submit(os.getenv, "PREFECT_API_URL").result()
-    status = urllib.request.urlopen(url + "/health", timeout=30).status
-print(url, child, status)
-print("after", os.getenv("PREFECT_API_URL"))
-"""
-
-
-def test_one_temporary_api_server_is_shared_with_worker_processes(tmp_path):
+def test_cli_run_without_a_configured_server_shares_one_and_exits(tmp_path):
+    """The README's first command path: no PREFECT_API_URL. One temporary server serves the flow and its
+    process-pool workers, and the process exits once Prefect's services have drained into it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    proc = subprocess.run([sys.executable, "-c", SHARED_SERVER_PROBE], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr
-    first, second = proc.stdout.strip().splitlines()[-2:]
-    url, child, status = first.split()
-    assert url.startswith("http://127.0.0.1:") and child == url and status == "200"
-    assert second == "after None"
-    assert (proc.stdout + proc.stderr).count("Starting temporary server") <= 1
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--out", str(tmp_path / "ws"), "--budgets",
+                           "8", "--fractions", "", "--max-events", "60", "--encoder-steps", "0", "--cohort-budget",
+                           "16", "--workers", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
+                          check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert (tmp_path / "ws" / "report.html").exists()
+    assert log.count("Starting temporary server") == 1, log[-3000:]
