@@ -11,6 +11,8 @@ State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries
 * ``K`` (cap, cap) Gram matrix over atoms, symmetric, so row j is column j and is read contiguously;
 * ``alpha``, ``g`` (cap,), ``status`` int8 (cap,), ``box`` float64 (n,) = multiplicity * C;
 * ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
+* ``KSS`` (cap, cap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
+  gathering m^2 scattered entries of K);
 * ``R`` (cap + 1, cap + 1): inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block;
 * ``ints`` int64 [m, updates since the last refactorisation];
 * ``guards`` int64 counters, indexed by ``GUARDS``.
@@ -25,45 +27,59 @@ from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE
 DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
 
 GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inverse", "pinv", "iteration_cap",
-          "repair")
-_REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP = range(6)
+          "unconverged_refinement", "repair")
+_REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP, _UNCONVERGED = range(7)
 _REFINE_STEPS = 6
+_REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse is rebuilt
 
 # Outcomes of a sweep.
 SWEPT_TO_TARGET, SWEPT_TO_MARGIN, SWEPT_NO_EVENT, SWEPT_ITERATION_CAP = range(4)
 
 
 @njit(cache=True)
-def refactor(K, S, ints, R, guards):
-    """Recompute the bordered inverse from K (pseudo-inverse when it is numerically singular)."""
+def gather_margin_kernel(K, S, m, KSS):
+    """KSS[:m, :m] = K[S, S] (after the margin set was set from outside, e.g. on load)."""
+    for a in range(m):
+        row = K[S[a]]
+        for b in range(m):
+            KSS[a, b] = row[S[b]]
+
+
+@njit(cache=True)
+def refactor(K, S, KSS, ints, R, guards):
+    """Recompute K_SS and the bordered inverse from K (pseudo-inverse when it is numerically singular)."""
     m = ints[0]
     ints[1] = 0
     if m == 0:
         return
+    gather_margin_kernel(K, S, m, KSS)
     M = np.empty((m + 1, m + 1))
     M[0, 0] = 0.0
     for a in range(m):
         M[0, a + 1] = 1.0
         M[a + 1, 0] = 1.0
         for b in range(m):
-            M[a + 1, b + 1] = 2.0 * K[S[a], S[b]]
+            M[a + 1, b + 1] = 2.0 * KSS[a, b]
     try:
-        R[:m + 1, :m + 1] = np.linalg.inv(M)
+        Minv = np.linalg.inv(M)
     except Exception:  # noqa: BLE001 -- numba raises LinAlgError as a plain exception
         guards[_PINV] += 1
-        R[:m + 1, :m + 1] = np.linalg.pinv(M)
+        Minv = np.linalg.pinv(M)
+    for a in range(m + 1):
+        for b in range(m + 1):
+            R[a, b] = 0.5 * (Minv[a, b] + Minv[b, a])
 
 
 @njit(cache=True)
-def _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max):
+def _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max):
     """Count a rank-one update; refactor on schedule or when an inverse entry (largest: ``r_max``) blew up."""
     ints[1] += 1
     if ints[1] >= refactor_every:
         guards[_SCHEDULED] += 1
-        refactor(K, S, ints, R, guards)
+        refactor(K, S, KSS, ints, R, guards)
     elif r_max > r_cap:
         guards[_LARGE] += 1
-        refactor(K, S, ints, R, guards)
+        refactor(K, S, KSS, ints, R, guards)
 
 
 @njit(cache=True)
@@ -92,7 +108,7 @@ def _border_solve(K, S, m, R, c):
 
 
 @njit(cache=True)
-def grow(K, S, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
+def grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
     """Append atom j to the margin set by a rank-one growth of the bordered inverse.
 
     Returns False, changing nothing, when the Schur pivot fails the relative test: j's kernel column is then
@@ -101,6 +117,7 @@ def grow(K, S, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
     m = ints[0]
     if m == 0:
         S[0] = j
+        KSS[0, 0] = K[j, j]
         ints[0] = 1
         R[0, 0] = -2.0 * K[j, j]
         R[0, 1] = 1.0
@@ -113,24 +130,32 @@ def grow(K, S, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
     if abs(pivot) <= rel_pivot * (abs(2.0 * K[j, j]) + abs(vb)) or abs(pivot) <= 1e-12:
         guards[_REFUSED] += 1
         return False
+    # Updated as a bitwise-symmetric matrix (upper triangle mirrored): the solver multiplies by R's rows as
+    # if they were its columns (``_matvec``).
     r_max = abs(1.0 / pivot)
     for a in range(m + 1):
         ba = beta[a] / pivot
-        for b in range(m + 1):
+        for b in range(a, m + 1):
             R[a, b] += ba * beta[b]
+            R[b, a] = R[a, b]
             r_max = max(r_max, abs(R[a, b]))
         R[a, m + 1] = ba
         R[m + 1, a] = ba
         r_max = max(r_max, abs(ba))
     R[m + 1, m + 1] = 1.0 / pivot
     S[m] = j
+    row = K[j]
+    for a in range(m):
+        KSS[m, a] = row[S[a]]
+        KSS[a, m] = row[S[a]]
+    KSS[m, m] = row[j]
     ints[0] = m + 1
-    _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max)
+    _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max)
     return True
 
 
 @njit(cache=True)
-def shrink(K, S, ints, R, guards, pos, refactor_every, r_cap):
+def shrink(K, S, KSS, ints, R, guards, pos, refactor_every, r_cap):
     """Remove the margin atom at position ``pos`` of S from the bordered inverse.
 
     The last margin atom takes its place (in S and in the inverse's rows and columns): O(|S|) moves besides
@@ -140,25 +165,29 @@ def shrink(K, S, ints, R, guards, pos, refactor_every, r_cap):
     k = pos + 1
     rkk = R[k, k]
     S[pos] = S[m - 1]
+    for a in range(m):
+        KSS[pos, a] = KSS[m - 1, a]
+    for a in range(m):
+        KSS[a, pos] = KSS[a, m - 1]
     ints[0] = m - 1
     if abs(rkk) <= 1e-300:
         guards[_SMALL_PIVOT] += 1
-        refactor(K, S, ints, R, guards)
+        refactor(K, S, KSS, ints, R, guards)
         return
     col = R[:m + 1, k].copy()
-    row = R[k, :m + 1].copy()
     r_max = 0.0  # row and column k are downdated to ~0, so the max over all entries is the kept block's
-    for a in range(m + 1):
+    for a in range(m + 1):  # symmetric downdate, upper triangle mirrored (see ``grow``)
         ca = col[a] / rkk
-        for b in range(m + 1):
-            R[a, b] -= ca * row[b]
+        for b in range(a, m + 1):
+            R[a, b] -= ca * col[b]
+            R[b, a] = R[a, b]
             r_max = max(r_max, abs(R[a, b]))
     # row / column m (the last) moves to k; the downdated row / column k is dropped
     for b in range(m + 1):
         R[k, b] = R[m, b]
     for a in range(m + 1):
         R[a, k] = R[a, m]
-    _after_update(K, S, ints, R, guards, refactor_every, r_cap, r_max)
+    _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max)
 
 
 @njit(cache=True)
@@ -188,7 +217,7 @@ def position(S, m, j):
 
 
 @njit(cache=True)
-def sweep(K, g, alpha, status, box, S, ints, R, guards, n, c, s, target, rho, eps, rel_pivot, refactor_every,
+def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rho, eps, rel_pivot, refactor_every,
           r_cap):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
 
@@ -289,17 +318,17 @@ def sweep(K, g, alpha, status, box, S, ints, R, guards, n, c, s, target, rho, ep
             return SWEPT_TO_TARGET, rho
         if kind == 1:
             g[c] = 0.0
-            if grow(K, S, ints, R, guards, c, rel_pivot, refactor_every, r_cap):
+            if grow(K, S, KSS, ints, R, guards, c, rel_pivot, refactor_every, r_cap):
                 status[c] = MARGIN
                 return SWEPT_TO_MARGIN, rho
             c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
         elif kind == 2 or kind == 3:
             alpha[j] = box[j] if kind == 2 else 0.0
-            shrink(K, S, ints, R, guards, position(S, ints[0], j), refactor_every, r_cap)
+            shrink(K, S, KSS, ints, R, guards, position(S, ints[0], j), refactor_every, r_cap)
             status[j] = BOUND if kind == 2 else RESERVE
         else:
             g[j] = 0.0
-            if grow(K, S, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
+            if grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
                 status[j] = MARGIN
             else:
                 frozen[j] = True
@@ -308,28 +337,50 @@ def sweep(K, g, alpha, status, box, S, ints, R, guards, n, c, s, target, rho, ep
 
 
 @njit(cache=True)
-def _bordered_residual(K, S, m, rhs, u):
+def _bordered_residual(KSS, m, rhs, u):
     """rhs - M u for the bordered matrix M = [[0, 1^T], [1, 2 K_SS]]."""
     resid = np.empty(m + 1)
     resid[0] = rhs[0] - u[1:].sum()
     for a in range(m):
         resid[a + 1] = rhs[a + 1] - u[0]
-    for b in range(m):  # row by row (K is symmetric): independent updates instead of one dependent chain
-        row = K[S[b]]
+    for b in range(m):  # row by row (K_SS is symmetric): contiguous axpys instead of one dependent chain
+        row = KSS[b]
         w = 2.0 * u[b + 1]
         for a in range(m):
-            resid[a + 1] -= w * row[S[a]]
+            resid[a + 1] -= w * row[a]
     return resid
 
 
 @njit(cache=True)
-def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+def _refine(KSS, R, m, rhs, u):
+    """Iterative refinement of u ~ M^-1 rhs in place; returns the size of the last residual seen.
+
+    One step suffices for a well-conditioned margin set; near-duplicate keys need a few more. Stops when the
+    residual no longer shrinks, or after correcting one already at rounding level.
+    """
+    last = math.inf
+    size = math.inf
+    for _ in range(_REFINE_STEPS):
+        resid = _bordered_residual(KSS, m, rhs, u)
+        size = np.abs(resid).max()
+        if size >= last or size == 0.0:
+            break
+        last = size
+        u += _matvec(R, m + 1, resid)
+        if size <= 1e-14:
+            return 0.0
+    return size
+
+
+@njit(cache=True)
+def polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
     """Re-solve the bordered system on the current partition with the maintained inverse (plus one step of
     iterative refinement), moving margin atoms that sit on a bound to that bound's set, until none is left.
 
     Returns rho (meaningless when the margin set ends empty: the caller then sets the midpoint).
     """
     rho = 0.0
+    refactored = False
     while True:
         for i in range(n):
             if i == exclude:
@@ -358,18 +409,15 @@ def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor
                 for a in range(m):
                     rhs[a + 1] -= w * row[S[a]]
             u = _matvec(R, m + 1, rhs)
-            # Iterative refinement: one step suffices for a well-conditioned margin set; near-duplicate keys
-            # need a few more, and stop when the residual no longer shrinks.
-            last = math.inf
-            for _ in range(_REFINE_STEPS):
-                resid = _bordered_residual(K, S, m, rhs, u)
-                size = np.abs(resid).max()
-                if size >= last or size == 0.0:
-                    break
-                last = size
-                u += _matvec(R, m + 1, resid)
-                if size <= 1e-14:
-                    break  # the correction of a rounding-level residual is itself below rounding
+            size = _refine(KSS, R, m, rhs, u)
+            if size > _REFINE_TOL and not refactored:
+                # The maintained inverse has drifted too far for refinement to converge (ill-conditioned
+                # margin sets): rebuild it from K and solve again.
+                guards[_UNCONVERGED] += 1
+                refactor(K, S, KSS, ints, R, guards)
+                refactored = True
+                u = _matvec(R, m + 1, rhs)
+                _refine(KSS, R, m, rhs, u)
             rho = u[0]
             for a in range(m):
                 alpha[S[a]] = u[a + 1]
@@ -379,7 +427,7 @@ def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor
             i = S[a]
             if alpha[i] <= BOUNDARY_SNAP or alpha[i] >= box[i] - BOUNDARY_SNAP:
                 status[i] = RESERVE if alpha[i] <= BOUNDARY_SNAP else BOUND
-                shrink(K, S, ints, R, guards, a, refactor_every, r_cap)
+                shrink(K, S, KSS, ints, R, guards, a, refactor_every, r_cap)
                 moved = True
             else:
                 a += 1
@@ -388,13 +436,13 @@ def polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor
 
 
 @njit(cache=True)
-def finish(K, alpha, g, status, box, S, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+def finish(K, alpha, g, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
     """End of an operation: polish, then recompute every g from the coefficients and the KKT residual.
 
     Returns (rho, residual); with an empty margin set rho is not pinned by the system and (nan, nan) is
     returned: the caller sets the midpoint rho and recomputes g.
     """
-    rho = polish(K, alpha, status, box, S, ints, R, guards, n, exclude, diag, refactor_every, r_cap)
+    rho = polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap)
     if ints[0] == 0:
         return math.nan, math.nan
     exact_g(K, alpha, n, rho, diag, g)

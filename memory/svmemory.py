@@ -149,6 +149,7 @@ class SVMemory:
         self._auto_id = itertools.count()
         self._Sbuf = np.empty(0, dtype=np.int64)  # margin slots, in the order of the inverse's rows 1..m
         self._Rbuf = np.empty((1, 1))             # bordered inverse, top-left (m + 1) block
+        self._KSS = np.empty((0, 0))              # K over the margin set, in its order
         self._ints = np.zeros(2, dtype=np.int64)  # [m, rank-one updates since the last refactorisation]
         self._guards = np.zeros(len(core.GUARDS), dtype=np.int64)
         self.rho_ = float("nan")
@@ -308,6 +309,8 @@ class SVMemory:
         self._seq = grow(self._seq[:self._n], (cap,), np.int64)
         self._Sbuf = grow(self._margin(), (cap,), np.int64)
         self._Rbuf = grow(self._kkt_inverse(), (cap + 1, cap + 1))
+        m = int(self._ints[0])
+        self._KSS = grow(self._KSS[:m, :m], (cap, cap))
         self._cap = cap
 
     def _new_atom(self, x, krow):
@@ -603,6 +606,7 @@ class SVMemory:
         m = len(meta["S"])
         mem._Sbuf[:m] = meta["S"]
         mem._Rbuf[:m + 1, :m + 1] = R[:m + 1, :m + 1]
+        core.gather_margin_kernel(mem._K, mem._Sbuf, m, mem._KSS)
         mem._ints[:] = (m, meta["updates_since_refactor"])
         for name, count in meta["guard_events"].items():
             mem._guards[core.GUARDS.index(name)] = count
@@ -656,7 +660,7 @@ class SVMemory:
         m = len(slots)
         self._Sbuf[:m] = slots
         self._ints[0] = m
-        core.refactor(self._K, self._Sbuf, self._ints, self._Rbuf, self._guards)
+        core.refactor(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards)
 
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
@@ -676,7 +680,7 @@ class SVMemory:
 
     def _shrink_slot(self, slot):
         pos = core.position(self._Sbuf, self._ints[0], slot)
-        core.shrink(self._K, self._Sbuf, self._ints, self._Rbuf, self._guards, pos, self.refactor_every,
+        core.shrink(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards, pos, self.refactor_every,
                     self._R_CAP)
 
     def _admit(self, slot):
@@ -720,9 +724,9 @@ class SVMemory:
         n = self._n
         box = self._box()[:n]
         box[c] = max(box[c], target)
-        outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._ints,
-                                        self._Rbuf, self._guards, n, c, s, target, self.rho_, self._EPS,
-                                        self._REL_PIVOT, self.refactor_every, self._R_CAP)
+        outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS,
+                                        self._ints, self._Rbuf, self._guards, n, c, s, target, self.rho_,
+                                        self._EPS, self._REL_PIVOT, self.refactor_every, self._R_CAP)
         if outcome == core.SWEPT_NO_EVENT:
             raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
         if outcome == core.SWEPT_ITERATION_CAP:
@@ -737,7 +741,7 @@ class SVMemory:
         n = self._n
         ex = -1 if exclude is None else int(exclude)
         box = self._box()[:n]
-        rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._ints,
+        rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._ints,
                                self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
         if self._ints[0]:
             self.rho_ = float(rho)
