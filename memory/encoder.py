@@ -59,7 +59,11 @@ def make_windows(events, keyer, window=64, stride=None):
     """Windows of consecutive events per stay: codes (list of lists), features (W, n, F), flags (W, n)."""
     stride = stride or window
     codes, feats, flags = [], [], []
-    for (_,), g in events.sort(["stay_id", "time"]).group_by(["stay_id"], maintain_order=True):
+    # A total order (time, code, value): with ties in time left to the sort, windows (and so the trained
+    # encoder) differed between runs on the same data.
+    order = ["stay_id", "time", "code", "numeric_value"]
+    for (_,), g in events.sort(order, nulls_last=True, maintain_order=True).group_by(["stay_id"],
+                                                                                    maintain_order=True):
         if g.height < window:
             continue
         f = event_features(g, keyer)

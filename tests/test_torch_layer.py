@@ -114,3 +114,11 @@ def test_training_improves_the_selection_loss_and_the_encoder_round_trips(window
         mem.remove(t)
         assert verify_against_refit(mem).max_dev <= 1e-8
     del ids
+
+
+def test_training_windows_do_not_depend_on_the_input_row_order(windows):
+    from memory.encoder import make_windows
+    _, keyer, events = windows
+    a = make_windows(events, keyer, window=48)
+    b = make_windows(events.sample(fraction=1.0, shuffle=True, seed=5), keyer, window=48)
+    assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
