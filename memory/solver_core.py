@@ -374,8 +374,9 @@ def _refine(KSS, R, m, rhs, u):
 
 @njit(cache=True)
 def polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
-    """Re-solve the bordered system on the current partition with the maintained inverse (plus one step of
-    iterative refinement), moving margin atoms that sit on a bound to that bound's set, until none is left.
+    """Re-solve the bordered system on the current partition with the maintained inverse (iterative
+    refinement; the inverse is rebuilt once when that does not converge), moving margin atoms that sit on a
+    bound to that bound's set, until none is left.
 
     Returns rho (meaningless when the margin set ends empty: the caller then sets the midpoint).
     """

@@ -736,7 +736,8 @@ class SVMemory:
         """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
 
         The sweep accumulates rounding in a, rho and g; re-solving the bordered system on the final partition
-        with the maintained inverse (plus one step of iterative refinement) and recomputing g from a removes it.
+        with the maintained inverse (iterative refinement; a rebuilt inverse when that does not converge) and
+        recomputing g from a removes it.
         """
         n = self._n
         ex = -1 if exclude is None else int(exclude)
