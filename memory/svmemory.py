@@ -235,7 +235,7 @@ class SVMemory:
         self._check_fitted()
         n = self._n
         g = self._exact_g()
-        return kkt_residual(self._alpha[:n], g, self._box()[:n], self._status[:n])
+        return kkt_residual(self._alpha[:n], g, self._box(), self._status[:n])
 
     # ------------------------------------------------------------------ validation
     def _check_fitted(self):
@@ -467,7 +467,7 @@ class SVMemory:
         if rho_pinned:
             rho_after, g_after = self.rho_, self._g
         else:
-            rho_after = self._midpoint_rho(np.flatnonzero(np.arange(n) != gone))
+            rho_after = self._midpoint_rho(self._atoms_except(gone))
             g_after = self._g[:n] + (rho_after - self.rho_)
         residual = float(core.residual(self._alpha, g_after, box, self._status, n, gone))
         gj = float(self._g[slot])
@@ -666,7 +666,7 @@ class SVMemory:
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
         from .refit import sklearn_alpha_guess
         n = self._n
-        box = self._box()[:n].astype(np.float64)
+        box = self._box()
         guess = sklearn_alpha_guess(self._K[:n, :n], self._mult[:n], self.C)
         sol = solve_exact(self._K[:n, :n], box, guess, diag=self._diag, tol=self.tol * 1e-2)
         if sol.residual > self.tol:
@@ -722,7 +722,7 @@ class SVMemory:
     def _sweep(self, c, s, target):
         """Move a_c monotonically towards ``target`` along the exact solution path (``solver_core.sweep``)."""
         n = self._n
-        box = self._box()[:n]
+        box = self._box()
         box[c] = max(box[c], target)
         outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS,
                                         self._ints, self._Rbuf, self._guards, n, c, s, target, self.rho_,
@@ -741,7 +741,7 @@ class SVMemory:
         """
         n = self._n
         ex = -1 if exclude is None else int(exclude)
-        box = self._box()[:n]
+        box = self._box()
         rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._ints,
                                self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
         if self._ints[0]:
@@ -774,4 +774,4 @@ class SVMemory:
         self._status[idx] = sol.status
         self.rho_ = sol.rho
         self._set_margin(idx[sol.status == MARGIN])
-        self._g[:self._n] = self._exact_g()
+        core.exact_g(self._K, self._alpha, self._n, self.rho_, self._diag, self._g)

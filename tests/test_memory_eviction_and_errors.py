@@ -169,3 +169,32 @@ def test_preallocated_capacity_changes_no_result_and_digest_tracks_the_state():
     for i, x in enumerate(X):
         renamed.add(x, token_id=f"t{i}")
     assert renamed.state_digest() != sized.state_digest()
+
+
+def test_evicting_one_copy_of_a_duplicated_reserve_key_and_with_rho_unpinned():
+    rng = np.random.default_rng(4)
+    mem = SVMemory(C=1 / 6, gamma=0.5)
+    for x in rng.standard_normal((30, 2)) * 2:
+        mem.add(x)
+    inner = min(mem.partition().reserve, key=lambda t: -mem.decision_value_of(t))
+    copy = mem.add(mem.key_of(inner))  # a second token on the same atom: reserve, box 2 C
+    assert mem.status_of(copy) == "reserve" and mem.n_atoms == mem.n_tokens - 1
+    Q = rng.standard_normal((20, 2))
+    before = mem.read(Q)
+    cert = mem.certify_eviction(copy)
+    assert cert.kkt_residual_after <= 1e-10
+    mem.evict(copy, cert)
+    assert mem.state_digest() == cert.digest_after and np.array_equal(mem.read(Q), before)
+    assert inner in mem and copy not in mem
+
+    # Four tokens at n C = 1 are all bound: no margin set, rho only bounded. A key inside is a reserve token.
+    square = SVMemory(C=1 / 4, gamma=0.5)
+    for x in ([1, 1], [1, -1], [-1, 1], [-1, -1]):
+        square.add(np.array(x, dtype=float))
+    centre = square.add(np.zeros(2))
+    assert square.status_of(centre) == "reserve" and not square.partition().margin
+    before = square.read(Q)
+    cert = square.certify_eviction(centre)
+    assert not cert.rho_pinned and cert.kkt_residual_after <= 1e-10
+    square.evict(centre, cert)
+    assert square.state_digest() == cert.digest_after and np.array_equal(square.read(Q), before)
