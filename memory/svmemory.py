@@ -764,10 +764,16 @@ class SVMemory:
                             np.full(len(idx), self._diag))
 
     def _repair(self, idx, box):
-        """Last-resort exact batch solve from the current state (counted; should be rare)."""
+        """Last-resort exact batch solve (counted; should be rare): from the current coefficients, and when
+        that start does not reach ``tol`` (near-duplicate keys can leave it far off), from scikit-learn's
+        solution of the same atoms, the start the memory is seeded from."""
+        from .refit import sklearn_alpha_guess
         self._guards[core.GUARDS.index("repair")] += 1
-        sub = np.ix_(idx, idx)
-        sol = solve_exact(self._K[sub], box[idx], self._alpha[idx], diag=self._diag, tol=self.tol * 1e-2)
+        K = self._K[np.ix_(idx, idx)]
+        sol = solve_exact(K, box[idx], self._alpha[idx], diag=self._diag, tol=self.tol * 1e-2)
+        if sol.residual > self.tol:
+            guess = sklearn_alpha_guess(K, self._mult[idx], self.C)
+            sol = solve_exact(K, box[idx], guess, diag=self._diag, tol=self.tol * 1e-2)
         if sol.residual > self.tol:
             raise SolverError(f"KKT residual {sol.residual:.3g} exceeds tol={self.tol:g} after repair")
         self._alpha[idx] = sol.alpha

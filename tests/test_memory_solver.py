@@ -71,6 +71,9 @@ scenario = st.fixed_dictionaries({
 # Keys on a line whose maintained inverse drifted to |R M - I| ~ 1e-3: refinement alone did not converge.
 @example({"seed": 25, "regime": "random", "n": 25, "d": 1, "inv_c": 5.0, "gamma": 2.0740701153763217,
           "ops": [False, False, True, True, True, False, True, True, False, True]})
+# Near-duplicates whose decrement ended off the optimum and whose repair from those coefficients did not converge.
+@example({"seed": 8, "regime": "near_duplicate", "n": 8, "d": 1, "inv_c": 6.0, "gamma": 1.0,
+          "ops": [False, False, False, True, False]})
 def test_random_add_remove_sequences_stay_exact(sc):
     rng = np.random.default_rng(sc["seed"])
     X = make_keys(rng, sc["regime"], sc["n"] + len(sc["ops"]), sc["d"])
