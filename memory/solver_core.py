@@ -72,7 +72,7 @@ def refactor(K, S, KSS, ints, R, guards):
 
 @njit(cache=True)
 def _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max):
-    """Count a rank-one update; refactor on schedule or when an inverse entry (largest: ``r_max``) blew up."""
+    """Count a rank-one update; refactor on schedule or when the update (largest entry: ``r_max``) blew up."""
     ints[1] += 1
     if ints[1] >= refactor_every:
         guards[_SCHEDULED] += 1
@@ -108,6 +108,25 @@ def _border_solve(K, S, m, R, c):
 
 
 @njit(cache=True)
+def _rank_one_update(R, size, u, scale):
+    """R[:size, :size] += scale * u u^T, bitwise symmetric (each product u_a u_b is formed before scaling, and
+    u_a u_b == u_b u_a in IEEE arithmetic); returns the update's largest |entry|, max |u|^2 |scale|.
+
+    Entries of the inverse can only blow up through a large update (a small pivot), so its size is the
+    blow-up test: tracking the entries' own maximum would put a reduction in the inner loop, which then no
+    longer vectorises (it was half of the update's cost).
+    """
+    u_max = 0.0
+    for a in range(size):
+        row = R[a]
+        ua = u[a]
+        u_max = max(u_max, abs(ua))
+        for b in range(size):
+            row[b] += (ua * u[b]) * scale
+    return u_max * u_max * abs(scale)
+
+
+@njit(cache=True)
 def grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
     """Append atom j to the margin set by a rank-one growth of the bordered inverse.
 
@@ -130,19 +149,18 @@ def grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
     if abs(pivot) <= rel_pivot * (abs(2.0 * K[j, j]) + abs(vb)) or abs(pivot) <= 1e-12:
         guards[_REFUSED] += 1
         return False
-    # Updated as a bitwise-symmetric matrix (upper triangle mirrored): the solver multiplies by R's rows as
-    # if they were its columns (``_matvec``).
-    r_max = abs(1.0 / pivot)
+    # Updated as a bitwise-symmetric matrix: entry (a, b) adds (beta_a beta_b) / pivot, the product formed
+    # before the scaling, so (a, b) and (b, a) round identically. The solver multiplies by R's rows as if they
+    # were its columns (``_matvec``); row by row the update is a contiguous, vectorised pass.
+    inv = 1.0 / pivot
+    r_max = _rank_one_update(R, m + 1, beta, inv)
     for a in range(m + 1):
-        ba = beta[a] / pivot
-        for b in range(a, m + 1):
-            R[a, b] += ba * beta[b]
-            R[b, a] = R[a, b]
-            r_max = max(r_max, abs(R[a, b]))
+        ba = beta[a] * inv
         R[a, m + 1] = ba
         R[m + 1, a] = ba
         r_max = max(r_max, abs(ba))
-    R[m + 1, m + 1] = 1.0 / pivot
+    R[m + 1, m + 1] = inv
+    r_max = max(r_max, abs(inv))
     S[m] = j
     row = K[j]
     for a in range(m):
@@ -174,14 +192,8 @@ def shrink(K, S, KSS, ints, R, guards, pos, refactor_every, r_cap):
         guards[_SMALL_PIVOT] += 1
         refactor(K, S, KSS, ints, R, guards)
         return
-    col = R[:m + 1, k].copy()
-    r_max = 0.0  # row and column k are downdated to ~0, so the max over all entries is the kept block's
-    for a in range(m + 1):  # symmetric downdate, upper triangle mirrored (see ``grow``)
-        ca = col[a] / rkk
-        for b in range(a, m + 1):
-            R[a, b] -= ca * col[b]
-            R[b, a] = R[a, b]
-            r_max = max(r_max, abs(R[a, b]))
+    col = R[k, :m + 1].copy()  # = column k (R is bitwise symmetric)
+    r_max = _rank_one_update(R, m + 1, col, -1.0 / rkk)
     # row / column m (the last) moves to k; the downdated row / column k is dropped
     for b in range(m + 1):
         R[k, b] = R[m, b]
@@ -217,6 +229,31 @@ def position(S, m, j):
 
 
 @njit(cache=True)
+def _first_crossing(g, rate_g, status, frozen, n, skip, eps, crossing, best_t, kind, j):
+    """The earliest bound atom whose g rises to 0 or reserve atom whose g falls to 0, if before ``best_t``.
+
+    On a tie a bound atom wins, then the lowest index; a strict comparison keeps any earlier kind on a tie.
+    The crossing times are formed without branches first (that loop vectorises; the atoms' statuses and
+    signs are in no order a branch predictor could follow), then scanned.
+    """
+    for i in range(n):
+        r = rate_g[i]
+        st = status[i]
+        up = st == BOUND and r > eps
+        down = st == RESERVE and r < -eps
+        num = max(-g[i] if up else g[i], 0.0)
+        den = r if up else (-r if down else 1.0)
+        crossing[i] = num / den if (up or down) and not frozen[i] else math.inf
+    for i in range(n):
+        t = crossing[i]
+        if t <= best_t and i != skip:
+            rank = 4 if status[i] == BOUND else 5
+            if t < best_t or rank < kind:
+                best_t, kind, j = t, rank, i
+    return best_t, kind, j
+
+
+@njit(cache=True)
 def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rho, eps, rel_pivot, refactor_every,
           r_cap):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
@@ -234,6 +271,7 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
     frozen = np.zeros(n, dtype=np.bool_)
     c_frozen = False
     rate_g = np.empty(n)
+    crossing = np.empty(n)
     for _ in range(20 * n + 100):
         m = ints[0]
         if m > 0:
@@ -241,11 +279,10 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
             rate_rho = s * beta[0]
             rate_c = s
             row = K[c]
+            # The sign folded into the weights: negation is exact, so the rates are the same bits.
             for i in range(n):
-                rate_g[i] = 2.0 * row[i] + beta[0]
-            _accumulate_rows(K, S, 2.0 * beta[1:], m, n, rate_g)
-            for i in range(n):
-                rate_g[i] *= s
+                rate_g[i] = s * (2.0 * row[i] + beta[0])
+            _accumulate_rows(K, S, (2.0 * s) * beta[1:], m, n, rate_g)
             for a in range(m):
                 rate_g[S[a]] = 0.0
         else:
@@ -278,21 +315,7 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
                 t = alpha[i] / -ra
                 if t < best_t:
                     best_t, kind, j = max(t, 0.0), 3, i
-        # Bound atoms whose g rises to 0, reserve atoms whose g falls to 0: the earliest; on a tie a bound atom,
-        # then the lowest index (a strict "<" also keeps any earlier kind on a tie).
-        for i in range(n):
-            r = rate_g[i]
-            st = status[i]
-            if st == BOUND and r > eps:
-                t = max(-g[i], 0.0) / r
-                rank = 4
-            elif st == RESERVE and r < -eps:
-                t = max(g[i], 0.0) / -r
-                rank = 5
-            else:
-                continue
-            if (t < best_t or (t == best_t and rank < kind)) and i != skip and not frozen[i]:
-                best_t, kind, j = t, rank, i
+        best_t, kind, j = _first_crossing(g, rate_g, status, frozen, n, skip, eps, crossing, best_t, kind, j)
         if kind == -1:
             if m == 0 and s < 0:
                 # Every other atom is at a bound: feasibility (checked before the sweep) says their boxes hold

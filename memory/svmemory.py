@@ -113,7 +113,7 @@ class SVMemory:
 
     _EPS = 1e-11       # rates below this are treated as zero when deciding whether an event is reachable
     _REL_PIVOT = 1e-9  # relative Schur-pivot test for a rank-one growth of the inverse
-    _R_CAP = 1e9       # an inverse entry above this triggers a refactorisation
+    _R_CAP = 1e9       # a rank-one update of the inverse with an entry above this triggers a refactorisation
 
     def __init__(self, C, kernel="rbf", gamma=1.0, tol=1e-10, tau_res=1e-10, refactor_every=500, capacity=None):
         C = float(C)
