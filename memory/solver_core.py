@@ -9,7 +9,8 @@ buffers, which they update in place.
 State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries meaningful):
 
 * ``K`` (cap, cap) Gram matrix over atoms, symmetric, so row j is column j and is read contiguously;
-* ``alpha``, ``g`` (cap,), ``status`` int8 (cap,), ``box`` float64 (n,) = multiplicity * C;
+* ``alpha``, ``g`` (cap,), ``status`` int8 (cap,), ``box`` float64 (n,) = multiplicity * C; slots below n may
+  be ``FREE`` (their kernel rows and columns are stale and never read for a live atom's result);
 * ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
 * ``KSS`` (cap, cap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
   gathering m^2 scattered entries of K);
@@ -25,6 +26,10 @@ from numba import njit
 from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE
 
 DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
+# A slot whose atom was deleted, until a new atom takes it: a zero coefficient and box, no set, so every loop
+# here that tests a status passes it by. Leaving the slot free instead of moving the last atom into it saves
+# rewriting that atom's kernel column, n strided stores (as much as one pass over the margin rows).
+FREE = 4
 
 GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inverse", "pinv", "iteration_cap",
           "unconverged_refinement", "repair")
@@ -479,16 +484,6 @@ def exact_g(K, alpha, n, rho, diag, g):
     act = np.flatnonzero(alpha[:n])
     g[:n] = rho - diag
     _accumulate_rows(K, act, 2.0 * alpha[act], len(act), n, g)
-
-
-@njit(cache=True)
-def move_atom(K, n, src, dst, diag):
-    """Kernel row and column of atom ``src`` to slot ``dst`` (rows past n are never read, so src's are left)."""
-    for i in range(n):
-        K[dst, i] = K[src, i]
-    for i in range(n):
-        K[i, dst] = K[dst, i]
-    K[dst, dst] = diag
 
 
 @njit(cache=True)

@@ -130,7 +130,8 @@ class SVMemory:
         self._dim = None
         self._value_dim = None
         self._cap = 0
-        self._n = 0                       # atoms
+        self._n = 0                       # slots in use: atoms, and free slots below the last atom
+        self._free = []                   # free slots below n; a new atom takes the most recently freed
         self._X = np.empty((0, 0))
         self._K = np.empty((0, 0))
         self._alpha = np.empty(0)
@@ -175,7 +176,7 @@ class SVMemory:
 
     @property
     def n_atoms(self):
-        return self._n
+        return self._n - len(self._free)
 
     @property
     def min_tokens(self):
@@ -233,9 +234,9 @@ class SVMemory:
     def kkt_residual(self):
         """KKT residual of the current state, recomputing g from the coefficients."""
         self._check_fitted()
-        n = self._n
+        live = self._live_slots()
         g = self._exact_g()
-        return kkt_residual(self._alpha[:n], g, self._box(), self._status[:n])
+        return kkt_residual(self._alpha[live], g[live], self._box()[live], self._status[live])
 
     # ------------------------------------------------------------------ validation
     def _check_fitted(self):
@@ -283,6 +284,9 @@ class SVMemory:
             raise UnknownTokenError(f"unknown token id {token_id!r}") from None
         return self._slot_of_seq[seq]
 
+    def _live_slots(self):
+        return np.flatnonzero(self._status[:self._n] != core.FREE)
+
     def _box(self):
         return self._mult[:self._n] * self.C  # a new float64 array: callers may modify it
 
@@ -314,11 +318,20 @@ class SVMemory:
         self._cap = cap
 
     def _new_atom(self, x, krow):
-        slot = self._n
-        self._ensure_capacity(slot + 1)
+        """A slot for key x (a free one if any) with ``krow`` = its kernel values against slots 0..n-1."""
+        n = self._n
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = n
+            self._ensure_capacity(slot + 1)
+            self._atom_tokens.append([])
+            self._value_sum.append(None)
+            self._atom_leaf.append(b"")
+            self._n += 1
         self._X[slot] = x
-        self._K[slot, :slot] = krow
-        self._K[:slot, slot] = krow
+        self._K[slot, :n] = krow
+        self._K[:n, slot] = krow
         self._K[slot, slot] = self._diag
         self._alpha[slot] = 0.0
         self._g[slot] = 0.0
@@ -328,34 +341,28 @@ class SVMemory:
         self._seq[slot] = seq
         self._slot_of_seq[seq] = slot
         self._seq_of_keybytes[x.tobytes()] = seq
-        self._atom_tokens.append([])
-        self._value_sum.append(None)
-        self._atom_leaf.append(b"")
-        self._n += 1
         return slot
 
     def _drop_atom(self, slot):
-        """Delete an atom by moving the last one into its slot (O(n))."""
-        last = self._n - 1
-        seq = int(self._seq[slot])
-        del self._slot_of_seq[seq]
+        """Delete an atom: its slot becomes free (O(1); see ``solver_core.FREE``). The key is zeroed at once;
+        the kernel row and column stay until a new atom overwrites them, and :meth:`save` writes them as 0."""
+        del self._slot_of_seq[int(self._seq[slot])]
         del self._seq_of_keybytes[self._X[slot].tobytes()]
-        if slot != last:
-            self._X[slot] = self._X[last]
-            core.move_atom(self._K, self._n, last, slot, self._diag)
-            for arr in (self._alpha, self._g, self._mult, self._status, self._seq):
-                arr[slot] = arr[last]
-            self._atom_tokens[slot] = self._atom_tokens[last]
-            self._value_sum[slot] = self._value_sum[last]
-            self._atom_leaf[slot] = self._atom_leaf[last]
-            self._slot_of_seq[int(self._seq[slot])] = slot
-            pos = core.position(self._Sbuf, self._ints[0], last)
-            if pos >= 0:
-                self._Sbuf[pos] = slot
-        self._atom_tokens.pop()
-        self._value_sum.pop()
-        self._atom_leaf.pop()
-        self._n -= 1
+        self._X[slot] = 0.0
+        for arr in (self._alpha, self._g, self._mult):
+            arr[slot] = 0
+        self._status[slot] = core.FREE
+        self._seq[slot] = -1
+        self._atom_tokens[slot] = []
+        self._value_sum[slot] = None
+        self._atom_leaf[slot] = b""
+        self._free.append(slot)
+        while self._n and self._status[self._n - 1] == core.FREE:  # free slots at the end are given back
+            self._n -= 1
+            self._free.remove(self._n)
+            self._atom_tokens.pop()
+            self._value_sum.pop()
+            self._atom_leaf.pop()
 
     # ------------------------------------------------------------------ public API: add / remove
     def add(self, key, value=None, token_id=None):
@@ -507,10 +514,10 @@ class SVMemory:
         h = hashlib.sha256()
         rho = rho if rho is not None else (self.rho_ if self._fitted else float("nan"))
         h.update(struct.pack("<3d", self.C, self.gamma, rho))
-        n = self._n
-        order = np.argsort(self._seq[:n], kind="stable")
-        leaves = [self._atom_leaf[i] for i in order] if n < 2 else list(itemgetter(*order)(self._atom_leaf))
-        mult = self._mult[:n].copy()
+        live = self._live_slots()
+        order = live[np.argsort(self._seq[live], kind="stable")]
+        leaves = [self._atom_leaf[i] for i in order] if len(order) < 2 else list(itemgetter(*order)(self._atom_leaf))
+        mult = self._mult[:self._n].copy()
         if exclude is not None:
             slot = self._slot(exclude)
             pos = int(np.flatnonzero(order == slot)[0])
@@ -554,10 +561,14 @@ class SVMemory:
         """
         n = self._n
         ids = self.token_ids()
+        K = self._K[:n, :n].copy()
+        K[self._free, :] = 0.0  # stale rows and columns of deleted atoms are not written (see _drop_atom)
+        K[:, self._free] = 0.0
         meta = {
             "C": self.C, "kernel": self.kernel, "gamma": self.gamma, "tol": self.tol, "tau_res": self.tau_res,
             "refactor_every": self.refactor_every, "capacity": self.capacity, "rho": self.rho_, "fitted": self._fitted,
             "dim": self._dim, "value_dim": self._value_dim, "S": [int(j) for j in self._margin()],
+            "free": [int(j) for j in self._free],
             "tokens": [[t, int(self._tokens[t][0]), int(self._tokens[t][2])] for t in ids],
             "next_seq": int(self._seq[:n].max()) + 1 if n else 0,
             "next_arrival": max((self._tokens[t][2] for t in ids), default=-1) + 1,
@@ -566,7 +577,7 @@ class SVMemory:
         }
         values = np.stack([self._tokens[t][1] for t in ids]) if ids else np.empty((0, 0))
         tmp = Path(str(path) + ".tmp.npz")
-        np.savez(tmp, meta=np.array(json.dumps(meta)), X=self._X[:n], K=self._K[:n, :n], alpha=self._alpha[:n],
+        np.savez(tmp, meta=np.array(json.dumps(meta)), X=self._X[:n], K=K, alpha=self._alpha[:n],
                  g=self._g[:n], mult=self._mult[:n], status=self._status[:n], seq=self._seq[:n],
                  Rinv=self._kkt_inverse(), values=values)
         os.replace(tmp, path)
@@ -589,10 +600,12 @@ class SVMemory:
                 for name in ("alpha", "g", "mult", "status", "seq"):
                     getattr(mem, "_" + name)[:n] = z[name]
             mem._n = n
+            mem._free = list(meta.get("free", []))
             R = z["Rinv"]
             values = z["values"]
-        mem._slot_of_seq = {int(q): i for i, q in enumerate(mem._seq[:n])}
-        mem._seq_of_keybytes = {mem._X[i].tobytes(): int(mem._seq[i]) for i in range(n)}
+        live = mem._live_slots()
+        mem._slot_of_seq = {int(mem._seq[i]): int(i) for i in live}
+        mem._seq_of_keybytes = {mem._X[i].tobytes(): int(mem._seq[i]) for i in live}
         mem._atom_tokens = [[] for _ in range(n)]
         mem._value_sum = [None] * n
         for (tid, seq, arrival), v in zip(meta["tokens"], values):
@@ -600,7 +613,7 @@ class SVMemory:
             mem._tokens[tid] = (seq, v.copy(), arrival)
             mem._atom_tokens[slot].append(tid)
         mem._atom_leaf = [b""] * n
-        for slot in range(n):  # tokens were saved in arrival order, so each atom's list already is
+        for slot in live:  # tokens were saved in arrival order, so each atom's list already is
             mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in mem._atom_tokens[slot]], axis=0)
             mem._atom_leaf[slot] = _atom_leaf(mem._X[slot], mem._atom_tokens[slot])
         m = len(meta["S"])
@@ -665,16 +678,16 @@ class SVMemory:
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
         from .refit import sklearn_alpha_guess
-        n = self._n
-        box = self._box()
-        guess = sklearn_alpha_guess(self._K[:n, :n], self._mult[:n], self.C)
-        sol = solve_exact(self._K[:n, :n], box, guess, diag=self._diag, tol=self.tol * 1e-2)
+        live = self._live_slots()
+        K = self._K[np.ix_(live, live)]
+        guess = sklearn_alpha_guess(K, self._mult[live], self.C)
+        sol = solve_exact(K, self._box()[live], guess, diag=self._diag, tol=self.tol * 1e-2)
         if sol.residual > self.tol:
             raise SolverError(f"could not seed the memory: KKT residual {sol.residual:.3g} > tol={self.tol:g}")
-        self._alpha[:n] = sol.alpha
-        self._status[:n] = sol.status
+        self._alpha[live] = sol.alpha
+        self._status[live] = sol.status
         self.rho_ = sol.rho
-        self._set_margin(np.flatnonzero(sol.status == MARGIN))
+        self._set_margin(live[sol.status == MARGIN])
         self._fitted = True
         self._finish()
 
@@ -694,8 +707,9 @@ class SVMemory:
             if status == MARGIN:
                 self._shrink_slot(slot)
             self._status[slot] = core.DETACHED
-            self._sweep(slot, +1.0, float(self._mult[slot] * self.C))
-            self._finish()
+            box = self._box()
+            self._sweep(slot, +1.0, box)
+            self._finish(box=box)
         elif self._mult[slot] == 1:
             self._status[slot] = RESERVE  # inside the description: no solver work
             if not self._ints[0]:
@@ -704,35 +718,33 @@ class SVMemory:
 
     def _release(self, slot):
         """Restore optimality after atom ``slot``'s multiplicity (so its box) was lowered by one."""
-        new_box = float(self._mult[slot] * self.C)
+        box = self._box()
         status = self._status[slot]
-        if status == RESERVE or self._alpha[slot] < new_box:
+        if status == RESERVE or self._alpha[slot] < box[slot]:
             return  # a zero coefficient, or one still inside the smaller box: the optimum is unchanged
         if status == MARGIN:
             self._shrink_slot(slot)
         self._status[slot] = core.DETACHED
-        self._sweep(slot, -1.0, new_box)
-        if new_box == 0.0:
+        self._sweep(slot, -1.0, box)
+        if box[slot] == 0.0:
             self._alpha[slot] = 0.0
             self._status[slot] = RESERVE  # the atom is dropped by the caller
-            self._finish(exclude=slot)
+            self._finish(exclude=slot, box=box)
         else:
-            self._finish()
+            self._finish(box=box)
 
-    def _sweep(self, c, s, target):
-        """Move a_c monotonically towards ``target`` along the exact solution path (``solver_core.sweep``)."""
-        n = self._n
-        box = self._box()
-        box[c] = max(box[c], target)
+    def _sweep(self, c, s, box):
+        """Move a_c monotonically towards its (new) box ``box[c]`` along the exact solution path
+        (``solver_core.sweep``)."""
         outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS,
-                                        self._ints, self._Rbuf, self._guards, n, c, s, target, self.rho_,
+                                        self._ints, self._Rbuf, self._guards, self._n, c, s, box[c], self.rho_,
                                         self._EPS, self._REL_PIVOT, self.refactor_every, self._R_CAP)
         if outcome == core.SWEPT_NO_EVENT:
             raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
         if outcome == core.SWEPT_ITERATION_CAP:
             raise SolverError("the incremental/decremental path did not terminate")
 
-    def _finish(self, exclude=None):
+    def _finish(self, exclude=None, box=None):
         """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
 
         The sweep accumulates rounding in a, rho and g; re-solving the bordered system on the final partition
@@ -741,7 +753,7 @@ class SVMemory:
         """
         n = self._n
         ex = -1 if exclude is None else int(exclude)
-        box = self._box()
+        box = self._box() if box is None else box
         rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._ints,
                                self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
         if self._ints[0]:
@@ -754,7 +766,8 @@ class SVMemory:
             self._repair(self._atoms_except(ex), box)
 
     def _atoms_except(self, slot):
-        return np.flatnonzero(np.arange(self._n) != slot)
+        live = self._live_slots()
+        return live[live != slot]
 
     def _midpoint_rho(self, idx):
         """Midpoint rho over atoms ``idx``, summed in atom creation order so that the same state gives the same

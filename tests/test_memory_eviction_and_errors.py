@@ -151,6 +151,36 @@ def test_save_and_load_round_trip_bit_for_bit_and_resume(filled, tmp_path):
     assert verify_against_refit(back).max_dev <= 1e-8
 
 
+def test_deleted_atoms_leave_free_slots_that_no_saved_state_or_new_atom_keeps_a_trace_of(filled, tmp_path):
+    """A deleted atom's slot is left free (no kernel column is moved); its key must not survive in the saved
+    state, and the next new atom takes the slot without changing what a memory without the hole computes."""
+    mem, ids, rng = filled
+    twin = SVMemory(C=mem.C, gamma=mem.gamma)  # the same tokens, never deleted from
+    victims = ids[5:25:4]
+    kept = [t for t in ids if t not in set(victims)]
+    for t in kept:
+        twin.add(mem.key_of(t), mem.value_of(t), token_id=t)
+    keys = [mem.key_of(t) for t in victims]
+    for t in victims:
+        mem.remove(t)
+    assert mem.n_atoms == len(kept) == twin.n_atoms and mem._free
+    mem.save(tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as z:
+        for k in keys:
+            assert not np.any(np.all(z["X"] == k, axis=1))
+        free = np.array(sorted(SVMemory.load(tmp_path / "m.npz")._free))
+        assert np.all(z["K"][free] == 0.0) and np.all(z["K"][:, free] == 0.0) and np.all(z["X"][free] == 0.0)
+    x = rng.standard_normal(3)
+    slot_before = sorted(mem._free)
+    mem.add(x, np.ones(2), token_id="new")
+    twin.add(x, np.ones(2), token_id="new")
+    assert mem._slot("new") in slot_before
+    Q = rng.standard_normal((30, 3))
+    assert np.max(np.abs(mem.decision_function(Q) - twin.decision_function(Q))) <= 1e-10
+    assert mem.partition() == twin.partition()
+    assert mem.kkt_residual() <= 1e-10 and verify_against_refit(mem).max_dev <= 1e-8
+
+
 def test_preallocated_capacity_changes_no_result_and_digest_tracks_the_state():
     rng = np.random.default_rng(11)
     X = rng.standard_normal((40, 3))
