@@ -14,6 +14,9 @@ State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries
 * ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
 * ``KSS`` (cap, cap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
   gathering m^2 scattered entries of K);
+* ``KS32`` float32 (cap, cap): the margin atoms' kernel rows K[S[a], :n] rounded to single precision, row a for
+  S[a]. A sweep's steps locate their next event with it (see ``sweep``): half the bytes of the fp64 rows, so at
+  ~1,000 atoms the margin rows stay in a core's L2 cache instead of streaming from L3 at every step;
 * ``R`` (cap + 1, cap + 1): inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block;
 * ``ints`` int64 [m, updates since the last refactorisation];
 * ``guards`` int64 counters, indexed by ``GUARDS``.
@@ -37,6 +40,13 @@ _REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP, _UNCONVERGED = ran
 _REFINE_STEPS = 6
 _REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse is rebuilt
 
+# The sweep's g of atoms outside the margin set is tracked with single-precision rates: its error bound starts
+# at _G_SLACK (rounding of the fp64 g it starts from, and of recomputing one) and g is recomputed from the
+# coefficients when the bound passes _G_RESYNC (long sweeps), so that few atoms need an exact re-evaluation.
+_G_SLACK = 1e-13
+_G_RESYNC = 1e-4
+_F32_UNIT = 2.0 ** -24  # |fl32(x) - x| <= _F32_UNIT |x|
+
 # Outcomes of a sweep.
 SWEPT_TO_TARGET, SWEPT_TO_MARGIN, SWEPT_NO_EVENT, SWEPT_ITERATION_CAP = range(4)
 
@@ -48,6 +58,21 @@ def gather_margin_kernel(K, S, m, KSS):
         row = K[S[a]]
         for b in range(m):
             KSS[a, b] = row[S[b]]
+
+
+@njit(cache=True)
+def gather_margin_rows32(K, S, m, n, KS32):
+    """KS32[a, :n] = K[S[a], :n] in single precision (after the margin set was set from outside)."""
+    for a in range(m):
+        _copy_row32(K, S[a], n, KS32, a)
+
+
+@njit(cache=True)
+def _copy_row32(K, j, n, KS32, a):
+    row = K[j]
+    out = KS32[a]
+    for i in range(n):
+        out[i] = row[i]
 
 
 @njit(cache=True)
@@ -132,7 +157,7 @@ def _rank_one_update(R, size, u, scale):
 
 
 @njit(cache=True)
-def grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
+def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap):
     """Append atom j to the margin set by a rank-one growth of the bordered inverse.
 
     Returns False, changing nothing, when the Schur pivot fails the relative test: j's kernel column is then
@@ -142,6 +167,7 @@ def grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
     if m == 0:
         S[0] = j
         KSS[0, 0] = K[j, j]
+        _copy_row32(K, j, n, KS32, 0)
         ints[0] = 1
         R[0, 0] = -2.0 * K[j, j]
         R[0, 1] = 1.0
@@ -172,13 +198,14 @@ def grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
         KSS[m, a] = row[S[a]]
         KSS[a, m] = row[S[a]]
     KSS[m, m] = row[j]
+    _copy_row32(K, j, n, KS32, m)
     ints[0] = m + 1
     _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max)
     return True
 
 
 @njit(cache=True)
-def shrink(K, S, KSS, ints, R, guards, pos, refactor_every, r_cap):
+def shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap):
     """Remove the margin atom at position ``pos`` of S from the bordered inverse.
 
     The last margin atom takes its place (in S and in the inverse's rows and columns): O(|S|) moves besides
@@ -192,6 +219,9 @@ def shrink(K, S, KSS, ints, R, guards, pos, refactor_every, r_cap):
         KSS[pos, a] = KSS[m - 1, a]
     for a in range(m):
         KSS[a, pos] = KSS[a, m - 1]
+    last, moved = KS32[m - 1], KS32[pos]
+    for i in range(n):
+        moved[i] = last[i]
     ints[0] = m - 1
     if abs(rkk) <= 1e-300:
         guards[_SMALL_PIVOT] += 1
@@ -226,6 +256,24 @@ def _accumulate_rows(K, rows, weights, count, n, out):
 
 
 @njit(cache=True)
+def _accumulate_rows32(KS32, weights, count, n, out):
+    """out[:n] += sum_a weights[a] KS32[a, :n] in double precision (as ``_accumulate_rows``)."""
+    a = 0
+    while a + 4 <= count:
+        r0, r1, r2, r3 = KS32[a], KS32[a + 1], KS32[a + 2], KS32[a + 3]
+        w0, w1, w2, w3 = weights[a], weights[a + 1], weights[a + 2], weights[a + 3]
+        for i in range(n):
+            out[i] += w0 * r0[i] + w1 * r1[i] + w2 * r2[i] + w3 * r3[i]
+        a += 4
+    while a < count:
+        row = KS32[a]
+        w = weights[a]
+        for i in range(n):
+            out[i] += w * row[i]
+        a += 1
+
+
+@njit(cache=True)
 def position(S, m, j):
     for a in range(m):
         if S[a] == j:
@@ -234,33 +282,77 @@ def position(S, m, j):
 
 
 @njit(cache=True)
-def _first_crossing(g, rate_g, status, frozen, n, skip, eps, crossing, best_t, kind, j):
+def _rate_error(w, m, diag, beta0):
+    """Bound on |rate from ``KS32`` - rate from K| for every atom: sum_a |w_a| |fl32(K) - K| with |K_ij| <= k(x, x)
+    (a positive semi-definite kernel), plus the two fp64 summations' rounding, with a factor 2 to spare."""
+    wsum = 0.0
+    for a in range(m):
+        wsum += abs(w[a])
+    return 2.0 * (wsum * diag * _F32_UNIT + 2.0 * (m + 4) * 2.0 ** -53 * (wsum * diag + 2.0 * diag + abs(beta0)))
+
+
+@njit(cache=True)
+def _exact_rate(K, S, m, c, s, beta0, w, i):
+    """Rate of g_i per unit move of a_c from the fp64 kernel: s (2 K_ic + beta_0) + sum_a w_a K_i,S[a]."""
+    row = K[i]
+    r = s * (2.0 * row[c] + beta0)
+    for a in range(m):
+        r += w[a] * row[S[a]]
+    return r
+
+
+@njit(cache=True)
+def _exact_g_one(K, alpha, n, rho, diag, i):
+    row = K[i]
+    acc = 0.0
+    for k in range(n):
+        acc += alpha[k] * row[k]
+    return rho - diag + 2.0 * acc
+
+
+@njit(cache=True)
+def _first_crossing(K, S, m, c, s, beta0, w, alpha, rho, diag, g, rate_g, status, frozen, n, skip, eps, err, g_err,
+                    crossing, best_t, kind, j):
     """The earliest bound atom whose g rises to 0 or reserve atom whose g falls to 0, if before ``best_t``.
 
-    On a tie a bound atom wins, then the lowest index; a strict comparison keeps any earlier kind on a tie.
-    The crossing times are formed without branches first (that loop vectorises; the atoms' statuses and
-    signs are in no order a branch predictor could follow), then scanned.
+    ``rate_g`` and ``g`` are within ``err`` and ``g_err`` of their fp64 values (the rates come from the
+    single-precision rows; ``err`` = 0 means they are exact, as with an empty margin set). A lower bound on
+    every atom's crossing time is formed from them first, without branches (that loop vectorises; the atoms'
+    statuses and signs are in no order a branch predictor could follow); each atom whose bound does not rule
+    it out is then re-evaluated from the fp64 kernel (its rate and its g recomputed from the coefficients,
+    both written back) and decided exactly, so the event found is the one the fp64 path meets. Ties as in the fp64 scan: a bound atom wins, then the lowest index; a strict
+    comparison keeps any earlier kind.
     """
     for i in range(n):
         r = rate_g[i]
         st = status[i]
-        up = st == BOUND and r > eps
-        down = st == RESERVE and r < -eps
-        num = max(-g[i] if up else g[i], 0.0)
-        den = r if up else (-r if down else 1.0)
+        up = st == BOUND and r + err > eps
+        down = st == RESERVE and r - err < -eps
+        num = max((-g[i] if up else g[i]) - g_err, 0.0)
+        den = r + err if up else (err - r if down else 1.0)
         crossing[i] = num / den if (up or down) and not frozen[i] else math.inf
     for i in range(n):
-        t = crossing[i]
-        if t <= best_t and i != skip:
-            rank = 4 if status[i] == BOUND else 5
-            if t < best_t or rank < kind:
-                best_t, kind, j = t, rank, i
+        lower = crossing[i]
+        if lower == math.inf or lower > best_t * (1.0 + 1e-12) or i == skip:
+            continue
+        r = _exact_rate(K, S, m, c, s, beta0, w, i) if err > 0.0 else rate_g[i]
+        gi = _exact_g_one(K, alpha, n, rho, diag, i)
+        rate_g[i] = r
+        g[i] = gi
+        if status[i] == BOUND and r > eps:
+            t, rank = max(-gi, 0.0) / r, 4
+        elif status[i] == RESERVE and r < -eps:
+            t, rank = max(gi, 0.0) / -r, 5
+        else:
+            continue
+        if t < best_t or (t == best_t and rank < kind):
+            best_t, kind, j = t, rank, i
     return best_t, kind, j
 
 
 @njit(cache=True)
-def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rho, eps, rel_pivot, refactor_every,
-          r_cap):
+def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, target, rho, diag, eps, rel_pivot,
+          refactor_every, r_cap):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
 
     Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching 0
@@ -268,11 +360,16 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
     empty margin set only rho moves. Atoms whose kernel column is numerically in the span of the margin set's
     stay at their bound with g = 0 for this sweep (design note 4.6): admitting one would make the bordered
     matrix singular. ``box[c]`` must already hold max(box_c, target). A step costs O(n |S| + |S|^2); its
-    O(n |S|) part reads the margin atoms' kernel rows in place.
+    O(n |S|) part reads the margin atoms' kernel rows in single precision (``KS32``), with a rigorous bound
+    on the rates' error: every atom the bound cannot rule out as the next event is decided from the fp64
+    kernel (``_first_crossing``), and a_S, rho, a_c and g_c move at fp64 rates. The other atoms' g then
+    carry the bounded error until the caller recomputes g from the coefficients (``finish``); it is
+    recomputed here too should the bound grow past ``_G_RESYNC``.
 
     Returns (outcome, rho).
     """
     skip = -1
+    g_err = _G_SLACK
     frozen = np.zeros(n, dtype=np.bool_)
     c_frozen = False
     rate_g = np.empty(n)
@@ -284,17 +381,21 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
             rate_rho = s * beta[0]
             rate_c = s
             row = K[c]
-            # The sign folded into the weights: negation is exact, so the rates are the same bits.
+            w = (2.0 * s) * beta[1:]
             for i in range(n):
                 rate_g[i] = s * (2.0 * row[i] + beta[0])
-            _accumulate_rows(K, S, (2.0 * s) * beta[1:], m, n, rate_g)
+            _accumulate_rows32(KS32, w, m, n, rate_g)
             for a in range(m):
                 rate_g[S[a]] = 0.0
+            rate_g[c] = _exact_rate(K, S, m, c, s, beta[0], w, c)
+            err = _rate_error(w, m, diag, beta[0])
         else:
             beta = np.zeros(1)
+            w = np.zeros(0)
             rate_g[:n] = s
             rate_rho = s
             rate_c = 0.0
+            err = 0.0
 
         best_t = math.inf
         kind = -1  # 0 c_target, 1 c_margin, 2 S_to_E, 3 S_to_R, 4 E_to_S, 5 R_to_S; ties go to the lower kind
@@ -320,7 +421,8 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
                 t = alpha[i] / -ra
                 if t < best_t:
                     best_t, kind, j = max(t, 0.0), 3, i
-        best_t, kind, j = _first_crossing(g, rate_g, status, frozen, n, skip, eps, crossing, best_t, kind, j)
+        best_t, kind, j = _first_crossing(K, S, m, c, s, beta[0], w, alpha, rho, diag, g, rate_g, status, frozen, n,
+                                          skip, eps, err, g_err, crossing, best_t, kind, j)
         if kind == -1:
             if m == 0 and s < 0:
                 # Every other atom is at a bound: feasibility (checked before the sweep) says their boxes hold
@@ -338,6 +440,12 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
         rho += t * rate_rho
         for i in range(n):
             g[i] += t * rate_g[i]
+        g_err += t * err
+        if g_err > _G_RESYNC:
+            exact_g(K, alpha, n, rho, diag, g)
+            for a in range(m):
+                g[S[a]] = 0.0
+            g_err = _G_SLACK
         skip = j if t <= 1e-14 else -1
 
         if kind == 0:
@@ -346,17 +454,17 @@ def sweep(K, g, alpha, status, box, S, KSS, ints, R, guards, n, c, s, target, rh
             return SWEPT_TO_TARGET, rho
         if kind == 1:
             g[c] = 0.0
-            if grow(K, S, KSS, ints, R, guards, c, rel_pivot, refactor_every, r_cap):
+            if grow(K, S, KSS, KS32, ints, R, guards, n, c, rel_pivot, refactor_every, r_cap):
                 status[c] = MARGIN
                 return SWEPT_TO_MARGIN, rho
             c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
         elif kind == 2 or kind == 3:
             alpha[j] = box[j] if kind == 2 else 0.0
-            shrink(K, S, KSS, ints, R, guards, position(S, ints[0], j), refactor_every, r_cap)
+            shrink(K, S, KSS, KS32, ints, R, guards, n, position(S, ints[0], j), refactor_every, r_cap)
             status[j] = BOUND if kind == 2 else RESERVE
         else:
             g[j] = 0.0
-            if grow(K, S, KSS, ints, R, guards, j, rel_pivot, refactor_every, r_cap):
+            if grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap):
                 status[j] = MARGIN
             else:
                 frozen[j] = True
@@ -401,7 +509,7 @@ def _refine(KSS, R, m, rhs, u):
 
 
 @njit(cache=True)
-def polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
     """Re-solve the bordered system on the current partition with the maintained inverse (iterative
     refinement; the inverse is rebuilt once when that does not converge), moving margin atoms that sit on a
     bound to that bound's set, until none is left.
@@ -456,7 +564,7 @@ def polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, ref
             i = S[a]
             if alpha[i] <= BOUNDARY_SNAP or alpha[i] >= box[i] - BOUNDARY_SNAP:
                 status[i] = RESERVE if alpha[i] <= BOUNDARY_SNAP else BOUND
-                shrink(K, S, KSS, ints, R, guards, a, refactor_every, r_cap)
+                shrink(K, S, KSS, KS32, ints, R, guards, n, a, refactor_every, r_cap)
                 moved = True
             else:
                 a += 1
@@ -465,13 +573,13 @@ def polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, ref
 
 
 @njit(cache=True)
-def finish(K, alpha, g, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
     """End of an operation: polish, then recompute every g from the coefficients and the KKT residual.
 
     Returns (rho, residual); with an empty margin set rho is not pinned by the system and (nan, nan) is
     returned: the caller sets the midpoint rho and recomputes g.
     """
-    rho = polish(K, alpha, status, box, S, KSS, ints, R, guards, n, exclude, diag, refactor_every, r_cap)
+    rho = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap)
     if ints[0] == 0:
         return math.nan, math.nan
     exact_g(K, alpha, n, rho, diag, g)

@@ -137,6 +137,7 @@ class SVMemory:
         self._alpha = np.empty(0)
         self._g = np.empty(0)
         self._mult = np.empty(0, dtype=np.int64)
+        self._box_buf = np.empty(0)           # multiplicity * C
         self._status = np.empty(0, dtype=np.int8)
         self._seq = np.empty(0, dtype=np.int64)  # creation order of atoms: the canonical summation order
         self._atom_tokens = []            # per slot: list of token ids, in arrival order
@@ -151,6 +152,7 @@ class SVMemory:
         self._Sbuf = np.empty(0, dtype=np.int64)  # margin slots, in the order of the inverse's rows 1..m
         self._Rbuf = np.empty((1, 1))             # bordered inverse, top-left (m + 1) block
         self._KSS = np.empty((0, 0))              # K over the margin set, in its order
+        self._KS32 = np.empty((0, 0), dtype=np.float32)  # the margin atoms' kernel rows, single precision
         self._ints = np.zeros(2, dtype=np.int64)  # [m, rank-one updates since the last refactorisation]
         self._guards = np.zeros(len(core.GUARDS), dtype=np.int64)
         self.rho_ = float("nan")
@@ -288,7 +290,12 @@ class SVMemory:
         return np.flatnonzero(self._status[:self._n] != core.FREE)
 
     def _box(self):
-        return self._mult[:self._n] * self.C  # a new float64 array: callers may modify it
+        """Boxes multiplicity * C of slots 0..n-1 (a view, kept in step with the multiplicities)."""
+        return self._box_buf[:self._n]
+
+    def _set_multiplicity(self, slot, k):
+        self._mult[slot] = k
+        self._box_buf[slot] = k * self.C
 
     # ------------------------------------------------------------------ storage
     def _ensure_capacity(self, n):
@@ -309,12 +316,14 @@ class SVMemory:
         self._alpha = grow(self._alpha[:self._n], (cap,))
         self._g = grow(self._g[:self._n], (cap,))
         self._mult = grow(self._mult[:self._n], (cap,), np.int64)
+        self._box_buf = grow(self._box_buf[:self._n], (cap,))
         self._status = grow(self._status[:self._n], (cap,), np.int8)
         self._seq = grow(self._seq[:self._n], (cap,), np.int64)
         self._Sbuf = grow(self._margin(), (cap,), np.int64)
         self._Rbuf = grow(self._kkt_inverse(), (cap + 1, cap + 1))
         m = int(self._ints[0])
         self._KSS = grow(self._KSS[:m, :m], (cap, cap))
+        self._KS32 = grow(self._KS32[:m, :self._n], (cap, cap), np.float32)
         self._cap = cap
 
     def _new_atom(self, x, krow):
@@ -333,9 +342,11 @@ class SVMemory:
         self._K[slot, :n] = krow
         self._K[:n, slot] = krow
         self._K[slot, slot] = self._diag
+        m = int(self._ints[0])
+        self._KS32[:m, slot] = krow[self._Sbuf[:m]]
         self._alpha[slot] = 0.0
         self._g[slot] = 0.0
-        self._mult[slot] = 0
+        self._set_multiplicity(slot, 0)
         self._status[slot] = RESERVE
         seq = next(self._next_seq)
         self._seq[slot] = seq
@@ -349,8 +360,8 @@ class SVMemory:
         del self._slot_of_seq[int(self._seq[slot])]
         del self._seq_of_keybytes[self._X[slot].tobytes()]
         self._X[slot] = 0.0
-        for arr in (self._alpha, self._g, self._mult):
-            arr[slot] = 0
+        self._alpha[slot] = self._g[slot] = 0.0
+        self._set_multiplicity(slot, 0)
         self._status[slot] = core.FREE
         self._seq[slot] = -1
         self._atom_tokens[slot] = []
@@ -396,7 +407,7 @@ class SVMemory:
         self._atom_tokens[slot].append(token_id)
         self._atom_leaf[slot] = _atom_leaf(self._X[slot], self._atom_tokens[slot])
         self._value_sum[slot] = v.copy() if self._value_sum[slot] is None else self._value_sum[slot] + v
-        self._mult[slot] += 1
+        self._set_multiplicity(slot, self._mult[slot] + 1)
 
         if self._fitted:
             self._admit(slot)
@@ -417,7 +428,7 @@ class SVMemory:
             raise InfeasibleError(
                 f"removing token {token_id!r} would leave {self.n_tokens - 1} tokens, infeasible for "
                 f"C={self.C!r} (needs n * C >= 1, i.e. at least {self.min_tokens} tokens)")
-        self._mult[slot] -= 1
+        self._set_multiplicity(slot, self._mult[slot] - 1)
         if self._fitted:
             self._release(slot)
         self._forget_token(token_id, slot)
@@ -465,7 +476,7 @@ class SVMemory:
         n = self._n
         leaves = self._mult[slot] == 1  # the atom goes; otherwise it loses one copy (and C of its box)
         gone = slot if leaves else -1
-        box = self._box()
+        box = self._box().copy()
         if not leaves:
             box[slot] -= self.C
         rho_pinned = bool(self._ints[0])
@@ -497,7 +508,7 @@ class SVMemory:
         else:
             cert = certificate
         slot = self._slot(token_id)
-        self._mult[slot] -= 1
+        self._set_multiplicity(slot, self._mult[slot] - 1)
         self._forget_token(token_id, slot)
         if self.state_digest() != cert.digest_after:
             raise SolverError(f"state after evicting {token_id!r} does not match its certificate")
@@ -599,6 +610,7 @@ class SVMemory:
                 mem._K[:n, :n] = z["K"]
                 for name in ("alpha", "g", "mult", "status", "seq"):
                     getattr(mem, "_" + name)[:n] = z[name]
+                mem._box_buf[:n] = mem._mult[:n] * mem.C
             mem._n = n
             mem._free = list(meta.get("free", []))
             R = z["Rinv"]
@@ -620,6 +632,7 @@ class SVMemory:
         mem._Sbuf[:m] = meta["S"]
         mem._Rbuf[:m + 1, :m + 1] = R[:m + 1, :m + 1]
         core.gather_margin_kernel(mem._K, mem._Sbuf, m, mem._KSS)
+        core.gather_margin_rows32(mem._K, mem._Sbuf, m, n, mem._KS32)
         mem._ints[:] = (m, meta["updates_since_refactor"])
         for name, count in meta["guard_events"].items():
             mem._guards[core.GUARDS.index(name)] = count
@@ -674,6 +687,7 @@ class SVMemory:
         self._Sbuf[:m] = slots
         self._ints[0] = m
         core.refactor(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards)
+        core.gather_margin_rows32(self._K, self._Sbuf, m, self._n, self._KS32)
 
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
@@ -693,8 +707,8 @@ class SVMemory:
 
     def _shrink_slot(self, slot):
         pos = core.position(self._Sbuf, self._ints[0], slot)
-        core.shrink(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards, pos, self.refactor_every,
-                    self._R_CAP)
+        core.shrink(self._K, self._Sbuf, self._KSS, self._KS32, self._ints, self._Rbuf, self._guards, self._n, pos,
+                    self.refactor_every, self._R_CAP)
 
     def _admit(self, slot):
         """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
@@ -737,8 +751,9 @@ class SVMemory:
         """Move a_c monotonically towards its (new) box ``box[c]`` along the exact solution path
         (``solver_core.sweep``)."""
         outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS,
-                                        self._ints, self._Rbuf, self._guards, self._n, c, s, box[c], self.rho_,
-                                        self._EPS, self._REL_PIVOT, self.refactor_every, self._R_CAP)
+                                        self._KS32, self._ints, self._Rbuf, self._guards, self._n, c, s, box[c],
+                                        self.rho_, self._diag, self._EPS, self._REL_PIVOT, self.refactor_every,
+                                        self._R_CAP)
         if outcome == core.SWEPT_NO_EVENT:
             raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
         if outcome == core.SWEPT_ITERATION_CAP:
@@ -754,8 +769,9 @@ class SVMemory:
         n = self._n
         ex = -1 if exclude is None else int(exclude)
         box = self._box() if box is None else box
-        rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._ints,
-                               self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every, self._R_CAP)
+        rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._KS32,
+                               self._ints, self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every,
+                               self._R_CAP)
         if self._ints[0]:
             self.rho_ = float(rho)
         else:

@@ -2,14 +2,16 @@
 
 Tolerances (fp64): KKT residual <= 1e-10 after every operation; decision values vs the refit snapped to an
 exact KKT point: median <= 1e-10, max <= 1e-8; vs sklearn's raw solution (tol=1e-12): max <= 1e-4 (libsvm's
-own accuracy on clustered keys).
+own accuracy on clustered keys). Where the keys' Gram matrix is numerically singular (an eigenvalue below
+1e-12: dozens of keys on a line) no exact reference exists; there the memory must still hold its own KKT
+residual, or refuse with SolverError.
 """
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from memory import SVMemory, verify_against_refit
+from memory import SolverError, SVMemory, verify_against_refit
 from memory.kkt import solve_exact
 from memory.kernels import rbf
 
@@ -41,10 +43,20 @@ def make_keys(rng, regime, n, d):
     raise ValueError(regime)
 
 
+def numerically_singular(mem):
+    """The stored keys' Gram matrix has an eigenvalue at rounding level: no fp64 solver, ours or the reference,
+    can be held to 1e-10 there (keys on a line past a few dozen points; design note 4.6)."""
+    X = np.unique(np.stack([mem.key_of(t) for t in mem.token_ids()]), axis=0)
+    return np.linalg.eigvalsh(rbf(X, X, mem.gamma))[0] <= 1e-12
+
+
 def check_refit(mem, probes=None):
     rep = verify_against_refit(mem, probes=probes)
     assert rep.kkt_residual_memory <= KKT_TOL
-    assert rep.kkt_residual_refit <= 1e-12
+    if rep.kkt_residual_refit > 1e-12:
+        # No exact reference to compare with: allowed only where the problem is past fp64.
+        assert numerically_singular(mem), rep
+        return rep
     assert rep.nondegenerate_mismatches == 0, rep
     assert rep.median_dev <= 1e-10, rep
     assert rep.max_dev <= 1e-8, rep
@@ -74,6 +86,10 @@ scenario = st.fixed_dictionaries({
 # Near-duplicates whose decrement ended off the optimum and whose repair from those coefficients did not converge.
 @example({"seed": 8, "regime": "near_duplicate", "n": 8, "d": 1, "inv_c": 6.0, "gamma": 1.0,
           "ops": [False, False, False, True, False]})
+# 36 keys on a line at gamma 2.7: the Gram matrix is numerically indefinite (eigenvalue -2e-15); the memory's
+# repair and the reference batch solve both end at residual 1.8e3, so the memory raises SolverError.
+@example({"seed": 259, "regime": "random", "n": 34, "d": 1, "inv_c": 2.0, "gamma": 2.695888979272055,
+          "ops": [False] * 6 + [True] * 8 + [False] * 3 + [True] * 3 + [False] * 2})
 def test_random_add_remove_sequences_stay_exact(sc):
     rng = np.random.default_rng(sc["seed"])
     X = make_keys(rng, sc["regime"], sc["n"] + len(sc["ops"]), sc["d"])
@@ -82,15 +98,20 @@ def test_random_add_remove_sequences_stay_exact(sc):
     nxt = sc["n"]
     assert mem.kkt_residual() <= KKT_TOL
     for is_add in sc["ops"]:
-        if is_add or (len(ids) - 1) * mem.C < 1.0:
-            ids.append(mem.add(X[nxt]))
-            nxt += 1
-            assert mem.kkt_residual() <= KKT_TOL
-        else:
-            tid = ids.pop(int(rng.integers(len(ids))))
-            removed_key = mem.key_of(tid)
-            mem.remove(tid)
-            check_refit(mem, probes=removed_key[None, :])
+        try:
+            if is_add or (len(ids) - 1) * mem.C < 1.0:
+                ids.append(mem.add(X[nxt]))
+                nxt += 1
+                assert mem.kkt_residual() <= KKT_TOL
+            else:
+                tid = ids.pop(int(rng.integers(len(ids))))
+                removed_key = mem.key_of(tid)
+                mem.remove(tid)
+                check_refit(mem, probes=removed_key[None, :])
+        except SolverError:
+            # The memory refuses (a clear error) only where the reference batch solve fails as well.
+            assert numerically_singular(mem)
+            return
     assert sum(mem.alpha_.values()) == pytest.approx(1.0, abs=1e-12)
 
 
