@@ -44,6 +44,7 @@ _REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse i
 # at _G_SLACK (rounding of the fp64 g it starts from, and of recomputing one) and g is recomputed from the
 # coefficients when the bound passes _G_RESYNC (long sweeps), so that few atoms need an exact re-evaluation.
 _G_SLACK = 1e-13
+_BETA_CARRY = 8  # steps a sweep's beta may be carried from event to event before it is solved afresh
 _G_RESYNC = 1e-4
 _F32_UNIT = 2.0 ** -24  # |fl32(x) - x| <= _F32_UNIT |x|
 
@@ -160,8 +161,10 @@ def _rank_one_update(R, size, u, scale):
 def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap):
     """Append atom j to the margin set by a rank-one growth of the bordered inverse.
 
-    Returns False, changing nothing, when the Schur pivot fails the relative test: j's kernel column is then
-    numerically dependent on the margin set's.
+    Returns (grown, beta_j, pivot): beta_j = -R [1; 2 K_Sj] (the rates of rho and a_S per unit a_j over the
+    old margin set; empty when it was empty) and the Schur pivot, the rate of g_j per unit a_j. ``grown`` is
+    False, with nothing changed, when the pivot fails the relative test: j's kernel column is then numerically
+    dependent on the margin set's.
     """
     m = ints[0]
     if m == 0:
@@ -173,13 +176,13 @@ def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_ca
         R[0, 1] = 1.0
         R[1, 0] = 1.0
         R[1, 1] = 0.0
-        return True
+        return True, np.zeros(0), 0.0
     v, beta = _border_solve(K, S, m, R, j)
     vb = v @ beta
     pivot = 2.0 * K[j, j] + vb
     if abs(pivot) <= rel_pivot * (abs(2.0 * K[j, j]) + abs(vb)) or abs(pivot) <= 1e-12:
         guards[_REFUSED] += 1
-        return False
+        return False, beta, pivot
     # Updated as a bitwise-symmetric matrix: entry (a, b) adds (beta_a beta_b) / pivot, the product formed
     # before the scaling, so (a, b) and (b, a) round identically. The solver multiplies by R's rows as if they
     # were its columns (``_matvec``); row by row the update is a contiguous, vectorised pass.
@@ -201,7 +204,7 @@ def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_ca
     _copy_row32(K, j, n, KS32, m)
     ints[0] = m + 1
     _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max)
-    return True
+    return True, beta, pivot
 
 
 @njit(cache=True)
@@ -351,6 +354,30 @@ def _first_crossing(K, S, m, c, s, beta0, w, alpha, rho, diag, g, rate_g, status
 
 
 @njit(cache=True)
+def _beta_without(R, m, beta, k):
+    """beta over the margin set less its atom at inverse row k, ordered as ``shrink`` leaves it (the last moves
+    to k): beta - (beta_k / R_kk) R[:, k], entry k dropped."""
+    f = beta[k] / R[k, k]
+    out = np.empty(m)
+    row = R[k]
+    for a in range(m):
+        out[a] = beta[a] - f * row[a]
+    if k < m:
+        out[k] = beta[m] - f * row[m]
+    return out
+
+
+@njit(cache=True)
+def _beta_with(beta, beta_j, lam, m):
+    """beta over the margin set grown by atom j (appended): [beta + lam beta_j; lam]."""
+    out = np.empty(m + 2)
+    for a in range(m + 1):
+        out[a] = beta[a] + lam * beta_j[a]
+    out[m + 1] = lam
+    return out
+
+
+@njit(cache=True)
 def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, target, rho, diag, eps, rel_pivot,
           refactor_every, r_cap):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
@@ -370,6 +397,8 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     """
     skip = -1
     g_err = _G_SLACK
+    beta_known = False  # beta carried over from the last event (see below) instead of solved afresh
+    carried = 0
     frozen = np.zeros(n, dtype=np.bool_)
     c_frozen = False
     rate_g = np.empty(n)
@@ -377,7 +406,12 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     for _ in range(20 * n + 100):
         m = ints[0]
         if m > 0:
-            _, beta = _border_solve(K, S, m, R, c)
+            if beta_known and carried < _BETA_CARRY:
+                carried += 1
+            else:
+                _, beta = _border_solve(K, S, m, R, c)
+                carried = 0
+            beta_known = False
             rate_rho = s * beta[0]
             rate_c = s
             row = K[c]
@@ -452,22 +486,36 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             alpha[c] = target
             status[c] = BOUND
             return SWEPT_TO_TARGET, rho
+        # The next step's beta follows from this one's (O(|S|) instead of a solve with the inverse, O(|S|^2)):
+        # a margin atom that leaves keeps its coefficient, so beta loses the component along that atom's column
+        # of the inverse; an atom that joins moves at the rate lambda that holds its g, beta_j lambda added.
         if kind == 1:
             g[c] = 0.0
-            if grow(K, S, KSS, KS32, ints, R, guards, n, c, rel_pivot, refactor_every, r_cap):
+            if grow(K, S, KSS, KS32, ints, R, guards, n, c, rel_pivot, refactor_every, r_cap)[0]:
                 status[c] = MARGIN
                 return SWEPT_TO_MARGIN, rho
             c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
+            beta_known = m > 0
         elif kind == 2 or kind == 3:
             alpha[j] = box[j] if kind == 2 else 0.0
-            shrink(K, S, KSS, KS32, ints, R, guards, n, position(S, ints[0], j), refactor_every, r_cap)
+            pos = position(S, ints[0], j)
+            k = pos + 1
+            if m > 1 and abs(R[k, k]) > 1e-300:
+                beta = _beta_without(R, m, beta, k)
+                beta_known = True
+            shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap)
             status[j] = BOUND if kind == 2 else RESERVE
         else:
             g[j] = 0.0
-            if grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap):
+            grown, beta_j, pivot = grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap)
+            if grown:
                 status[j] = MARGIN
+                if m > 0:
+                    beta = _beta_with(beta, beta_j, -(s * rate_g[j]) / pivot, m)
+                    beta_known = True
             else:
                 frozen[j] = True
+                beta_known = m > 0
     guards[_ITER_CAP] += 1
     return SWEPT_ITERATION_CAP, rho
 
