@@ -635,6 +635,33 @@ def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, 
 
 
 @njit(cache=True)
+def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, rho, diag, eps, rel_pivot,
+                     refactor_every, r_cap):
+    """One solver operation in a single compiled call: take atom c out of its set, sweep a_c to its new box
+    ``box[c]`` (s = +1 after a token was added, -1 after one was removed), then ``finish``. An atom swept down
+    to a zero box is left in the reserve set and excluded from the end state (the caller drops it).
+
+    Returns (outcome, rho, residual): the sweep's outcome (the state is unfinished unless it is
+    SWEPT_TO_TARGET or SWEPT_TO_MARGIN) and ``finish``'s rho and residual.
+    """
+    if status[c] == MARGIN:
+        shrink(K, S, KSS, KS32, ints, R, guards, n, position(S, ints[0], c), refactor_every, r_cap)
+    status[c] = DETACHED
+    outcome, rho = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, box[c], rho, diag, eps,
+                         rel_pivot, refactor_every, r_cap)
+    if outcome != SWEPT_TO_TARGET and outcome != SWEPT_TO_MARGIN:
+        return outcome, rho, math.nan
+    exclude = -1
+    if box[c] == 0.0:
+        alpha[c] = 0.0
+        status[c] = RESERVE
+        exclude = c
+    rho_end, res = finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every,
+                          r_cap)
+    return outcome, rho_end, res
+
+
+@njit(cache=True)
 def exact_g(K, alpha, n, rho, diag, g):
     """g_i = rho - k_ii + 2 sum_j a_j K_ji over the atoms with nonzero coefficients (rows: K is symmetric)."""
     act = np.flatnonzero(alpha[:n])

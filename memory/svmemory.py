@@ -705,11 +705,6 @@ class SVMemory:
         self._fitted = True
         self._finish()
 
-    def _shrink_slot(self, slot):
-        pos = core.position(self._Sbuf, self._ints[0], slot)
-        core.shrink(self._K, self._Sbuf, self._KSS, self._KS32, self._ints, self._Rbuf, self._guards, self._n, pos,
-                    self.refactor_every, self._R_CAP)
-
     def _admit(self, slot):
         """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
         n = self._n
@@ -718,12 +713,7 @@ class SVMemory:
         status = self._status[slot]
         if status == BOUND or (self._mult[slot] == 1 and self._g[slot] < -1e-2 * self.tol):
             # Below the boundary (or a bound atom whose box just grew): raise its coefficient.
-            if status == MARGIN:
-                self._shrink_slot(slot)
-            self._status[slot] = core.DETACHED
-            box = self._box()
-            self._sweep(slot, +1.0, box)
-            self._finish(box=box)
+            self._move_coefficient(slot, +1.0)
         elif self._mult[slot] == 1:
             self._status[slot] = RESERVE  # inside the description: no solver work
             if not self._ints[0]:
@@ -732,46 +722,41 @@ class SVMemory:
 
     def _release(self, slot):
         """Restore optimality after atom ``slot``'s multiplicity (so its box) was lowered by one."""
-        box = self._box()
-        status = self._status[slot]
-        if status == RESERVE or self._alpha[slot] < box[slot]:
+        if self._status[slot] == RESERVE or self._alpha[slot] < self._box_buf[slot]:
             return  # a zero coefficient, or one still inside the smaller box: the optimum is unchanged
-        if status == MARGIN:
-            self._shrink_slot(slot)
-        self._status[slot] = core.DETACHED
-        self._sweep(slot, -1.0, box)
-        if box[slot] == 0.0:
-            self._alpha[slot] = 0.0
-            self._status[slot] = RESERVE  # the atom is dropped by the caller
-            self._finish(exclude=slot, box=box)
-        else:
-            self._finish(box=box)
+        self._move_coefficient(slot, -1.0)  # a zero box leaves the atom in reserve; the caller drops it
 
-    def _sweep(self, c, s, box):
-        """Move a_c monotonically towards its (new) box ``box[c]`` along the exact solution path
-        (``solver_core.sweep``)."""
-        outcome, self.rho_ = core.sweep(self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS,
-                                        self._KS32, self._ints, self._Rbuf, self._guards, self._n, c, s, box[c],
-                                        self.rho_, self._diag, self._EPS, self._REL_PIVOT, self.refactor_every,
-                                        self._R_CAP)
+    def _move_coefficient(self, c, s):
+        """Move a_c monotonically to its new box along the exact solution path, then polish and check the end
+        state (``solver_core.move_coefficient``, one compiled call)."""
+        box = self._box()
+        outcome, rho, res = core.move_coefficient(
+            self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS, self._KS32, self._ints,
+            self._Rbuf, self._guards, self._n, c, s, self.rho_, self._diag, self._EPS, self._REL_PIVOT,
+            self.refactor_every, self._R_CAP)
         if outcome == core.SWEPT_NO_EVENT:
             raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
         if outcome == core.SWEPT_ITERATION_CAP:
             raise SolverError("the incremental/decremental path did not terminate")
+        self._settle(rho, res, c if box[c] == 0.0 else -1, box)
 
-    def _finish(self, exclude=None, box=None):
+    def _finish(self):
         """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
 
         The sweep accumulates rounding in a, rho and g; re-solving the bordered system on the final partition
         with the maintained inverse (iterative refinement; a rebuilt inverse when that does not converge) and
         recomputing g from a removes it.
         """
-        n = self._n
-        ex = -1 if exclude is None else int(exclude)
-        box = self._box() if box is None else box
+        box = self._box()
         rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._KS32,
-                               self._ints, self._Rbuf, self._guards, n, ex, self._diag, self.refactor_every,
+                               self._ints, self._Rbuf, self._guards, self._n, -1, self._diag, self.refactor_every,
                                self._R_CAP)
+        self._settle(rho, res, -1, box)
+
+    def _settle(self, rho, res, ex, box):
+        """Take ``finish``'s end state: rho (the midpoint of its interval when the margin set is empty), and a
+        repair when the KKT residual exceeds ``tol``. ``ex``: an atom left out of the state (-1: none)."""
+        n = self._n
         if self._ints[0]:
             self.rho_ = float(rho)
         else:
