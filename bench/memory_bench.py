@@ -87,14 +87,16 @@ def _refit(mem):
 
 def bench_remove(sizes, C, rounds, block, rng):
     print(f"\n## remove (exact decrement of an active token) vs scikit-learn refit of the retained set (C = {C:.4g})")
-    print("warm: removes timed back to back (each followed by an untimed add), then as many refits; cold: each remove")
-    print("timed right after a refit, whose fresh n x n arrays (its kernel, libsvm's cache) evict the memory's kernel")
-    print("rows from the CPU caches. Rounds alternate the two; medians; both ratios use all refit timings.")
+    print("warm: removes timed back to back after one untimed (each followed by an untimed add), then as many")
+    print("refits; cold: each remove timed right after a refit, whose fresh n x n arrays (its kernel, libsvm's")
+    print("cache) evict the memory's kernel rows from the CPU caches. Rounds alternate the two; medians; both")
+    print("ratios use all refit timings.")
     print(f"{'n':>6}{'remove warm s':>15}{'remove cold s':>15}{'refit s':>12}{'refit/warm':>12}{'refit/cold':>12}")
     for n in sizes:
         mem = filled_memory("reserve", n, C, rng)
         warm, cold, fit = [], [], []
         for _ in range(rounds):
+            _remove_active(mem, rng)  # warm-up after the previous round's refits, not timed
             warm += [_remove_active(mem, rng) for _ in range(block)]
             fit += [_refit(mem) for _ in range(block)]
             for _ in range(block):
@@ -155,7 +157,7 @@ def main(argv=None):
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     C = 1 / 32
     bench_add(sizes, C, reps=16 if args.quick else 64, rng=rng)
-    bench_remove(sizes, C, rounds=2 if args.quick else 4, block=3 if args.quick else 8, rng=rng)
+    bench_remove(sizes, C, rounds=2 if args.quick else 4, block=3 if args.quick else 16, rng=rng)
     worst = bench_deviation(trials=5 if args.quick else 60, n=60, rng=rng)
     return 0 if worst <= 1e-8 else 1
 

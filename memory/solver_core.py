@@ -379,14 +379,15 @@ def _beta_with(beta, beta_j, lam, m):
 
 @njit(cache=True)
 def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, target, rho, diag, eps, rel_pivot,
-          refactor_every, r_cap):
+          refactor_every, r_cap, beta_start):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
 
     Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching 0
     (increments only), a margin atom reaching 0 or its box, a bound or reserve atom's g reaching 0. With an
     empty margin set only rho moves. Atoms whose kernel column is numerically in the span of the margin set's
     stay at their bound with g = 0 for this sweep (design note 4.6): admitting one would make the bordered
-    matrix singular. ``box[c]`` must already hold max(box_c, target). A step costs O(n |S| + |S|^2); its
+    matrix singular. ``box[c]`` must already hold max(box_c, target). ``beta_start``: the first step's rates
+    of (rho, a_S) per unit a_c when the caller has them (length |S| + 1), else empty. A step costs O(n |S| + |S|^2); its
     O(n |S|) part reads the margin atoms' kernel rows in single precision (``KS32``), with a rigorous bound
     on the rates' error: every atom the bound cannot rule out as the next event is decided from the fp64
     kernel (``_first_crossing``), and a_S, rho, a_c and g_c move at fp64 rates. The other atoms' g then
@@ -397,7 +398,9 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     """
     skip = -1
     g_err = _G_SLACK
-    beta_known = False  # beta carried over from the last event (see below) instead of solved afresh
+    # beta carried over from the last event (see below), or given for the first step, instead of solved afresh
+    beta_known = len(beta_start) == ints[0] + 1 and ints[0] > 0
+    beta = beta_start
     carried = 0
     frozen = np.zeros(n, dtype=np.bool_)
     c_frozen = False
@@ -644,11 +647,21 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
     Returns (outcome, rho, residual): the sweep's outcome (the state is unfinished unless it is
     SWEPT_TO_TARGET or SWEPT_TO_MARGIN) and ``finish``'s rho and residual.
     """
+    beta = np.zeros(0)
     if status[c] == MARGIN:
-        shrink(K, S, KSS, KS32, ints, R, guards, n, position(S, ints[0], c), refactor_every, r_cap)
+        pos = position(S, ints[0], c)
+        k = pos + 1
+        m = ints[0]
+        if m > 1 and abs(R[k, k]) > 1e-300:
+            # With a_c fixed, the other unknowns move at R[:, k] / R_kk per unit a_c (block inverse): the first
+            # step's beta without a solve over the shrunk inverse.
+            unit = np.zeros(m + 1)
+            unit[k] = -1.0  # _beta_without then gives R[:, k] / R_kk, ordered as after the shrink
+            beta = _beta_without(R, m, unit, k)
+        shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap)
     status[c] = DETACHED
     outcome, rho = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, box[c], rho, diag, eps,
-                         rel_pivot, refactor_every, r_cap)
+                         rel_pivot, refactor_every, r_cap, beta)
     if outcome != SWEPT_TO_TARGET and outcome != SWEPT_TO_MARGIN:
         return outcome, rho, math.nan
     exclude = -1
