@@ -39,6 +39,7 @@ GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inver
 _REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP, _UNCONVERGED = range(7)
 _REFINE_STEPS = 6
 _REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse is rebuilt
+_RESIDUAL_ROUNDING = 1e-15  # a bordered-system residual this small is not worth a correction
 
 # The sweep's g of atoms outside the margin set is tracked with single-precision rates: its error bound starts
 # at _G_SLACK (rounding of the fp64 g it starts from, and of recomputing one) and g is recomputed from the
@@ -542,15 +543,18 @@ def _bordered_residual(KSS, m, rhs, u):
 def _refine(KSS, R, m, rhs, u):
     """Iterative refinement of u ~ M^-1 rhs in place; returns the size of the last residual seen.
 
-    One step suffices for a well-conditioned margin set; near-duplicate keys need a few more. Stops when the
-    residual no longer shrinks, or after correcting one already at rounding level.
+    One step suffices for a well-conditioned margin set; near-duplicate keys need a few more. Stops at a
+    residual at rounding level (``_RESIDUAL_ROUNDING``, left as it is), when the residual no longer shrinks, or
+    after correcting one already below 1e-14.
     """
     last = math.inf
     size = math.inf
     for _ in range(_REFINE_STEPS):
         resid = _bordered_residual(KSS, m, rhs, u)
         size = np.abs(resid).max()
-        if size >= last or size == 0.0:
+        if size <= _RESIDUAL_ROUNDING:
+            return 0.0
+        if size >= last:
             break
         last = size
         u += _matvec(R, m + 1, resid)
@@ -560,14 +564,14 @@ def _refine(KSS, R, m, rhs, u):
 
 
 @njit(cache=True)
-def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
+def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho):
     """Re-solve the bordered system on the current partition with the maintained inverse (iterative
-    refinement; the inverse is rebuilt once when that does not converge), moving margin atoms that sit on a
-    bound to that bound's set, until none is left.
+    refinement from the current (rho, a_S), which after a sweep is within rounding of the solution; the
+    inverse is rebuilt once when that does not converge), moving margin atoms that sit on a bound to that
+    bound's set, until none is left.
 
     Returns rho (meaningless when the margin set ends empty: the caller then sets the midpoint).
     """
-    rho = 0.0
     refactored = False
     while True:
         for i in range(n):
@@ -596,7 +600,13 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
                 w = 2.0 * box[E[e]]
                 for a in range(m):
                     rhs[a + 1] -= w * row[S[a]]
-            u = _matvec(R, m + 1, rhs)
+            if math.isfinite(rho):
+                u = np.empty(m + 1)
+                u[0] = rho
+                for a in range(m):
+                    u[a + 1] = alpha[S[a]]
+            else:
+                u = _matvec(R, m + 1, rhs)
             size = _refine(KSS, R, m, rhs, u)
             if size > _REFINE_TOL and not refactored:
                 # The maintained inverse has drifted too far for refinement to converge (ill-conditioned
@@ -624,13 +634,14 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
 
 
 @njit(cache=True)
-def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap):
-    """End of an operation: polish, then recompute every g from the coefficients and the KKT residual.
+def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho):
+    """End of an operation: polish (from the current coefficients and ``rho``), then recompute every g from the
+    coefficients and the KKT residual.
 
     Returns (rho, residual); with an empty margin set rho is not pinned by the system and (nan, nan) is
     returned: the caller sets the midpoint rho and recomputes g.
     """
-    rho = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap)
+    rho = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho)
     if ints[0] == 0:
         return math.nan, math.nan
     exact_g(K, alpha, n, rho, diag, g)
@@ -670,7 +681,7 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
         status[c] = RESERVE
         exclude = c
     rho_end, res = finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every,
-                          r_cap)
+                          r_cap, rho)
     return outcome, rho_end, res
 
 

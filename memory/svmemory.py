@@ -750,7 +750,7 @@ class SVMemory:
         box = self._box()
         rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._KS32,
                                self._ints, self._Rbuf, self._guards, self._n, -1, self._diag, self.refactor_every,
-                               self._R_CAP)
+                               self._R_CAP, self.rho_)
         self._settle(rho, res, -1, box)
 
     def _settle(self, rho, res, ex, box):
