@@ -27,7 +27,7 @@ import numpy as np
 from . import solver_core as core
 from .errors import InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, UnknownTokenError
 from .kernels import KERNEL_DIAGONAL, check_kernel, rbf, squared_distances
-from .kkt import BOUND, MARGIN, RESERVE, kkt_residual, midpoint_rho, solve_exact
+from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE, kkt_residual, midpoint_rho, solve_exact
 
 # Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
 _FEAS_SLACK = 1e-12
@@ -722,8 +722,11 @@ class SVMemory:
 
     def _release(self, slot):
         """Restore optimality after atom ``slot``'s multiplicity (so its box) was lowered by one."""
-        if self._status[slot] == RESERVE or self._alpha[slot] < self._box_buf[slot]:
-            return  # a zero coefficient, or one still inside the smaller box: the optimum is unchanged
+        if self._status[slot] == RESERVE or self._alpha[slot] < self._box_buf[slot] - BOUNDARY_SNAP:
+            # A zero coefficient, or one still inside the smaller box: the optimum is unchanged. One within
+            # rounding of the new box is on it (the polish's rule) and goes to the bound set, which can leave the
+            # margin set empty and rho at its midpoint.
+            return
         self._move_coefficient(slot, -1.0)  # a zero box leaves the atom in reserve; the caller drops it
 
     def _move_coefficient(self, c, s):

@@ -92,6 +92,9 @@ scenario = st.fixed_dictionaries({
           "ops": [False] * 6 + [True] * 8 + [False] * 3 + [True] * 3 + [False] * 2})
 @example({"seed": 1301702, "regime": "random", "n": 30, "d": 1, "inv_c": 2.0, "gamma": 1.91015625,
           "ops": [False] * 5})  # 30 keys on a line (eigenvalue -6e-16): a repair ended at 7.8e-10
+# Removing one copy of a duplicated margin atom whose coefficient was its new box less one ulp: it stayed in the
+# margin set, pinning rho at one end of its interval instead of the midpoint (the atom is on its bound).
+@example({"seed": 153132, "regime": "duplicated", "n": 8, "d": 1, "inv_c": 4.0, "gamma": 2.0, "ops": [False] * 7})
 def test_random_add_remove_sequences_stay_exact(sc):
     rng = np.random.default_rng(sc["seed"])
     X = make_keys(rng, sc["regime"], sc["n"] + len(sc["ops"]), sc["d"])
