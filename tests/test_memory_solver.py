@@ -239,3 +239,22 @@ def test_single_precision_rates_are_within_their_stated_bound(regime):
             assert gap <= bound
             worst = max(worst, gap / bound)
     assert worst > 1e-2  # the bound is not vacuous: the gap reaches a visible share of it (measured 0.14-0.25)
+
+
+def test_refactorisation_falls_back_to_the_pseudo_inverse_on_a_singular_margin_set():
+    """Two margin atoms with the same kernel column make the bordered matrix exactly singular; the rebuild must
+    then take the pseudo-inverse (counted) instead of failing or returning non-finite entries."""
+    from memory import solver_core as core
+    from memory.kkt import bordered_matrix
+    X = np.array([[0.0, 0.0], [0.0, 0.0], [1.0, 0.5]])  # rows 0 and 1 equal: K's rows 0 and 1 are equal
+    K = np.zeros((4, 4))
+    K[:3, :3] = rbf(X, X, 0.8)
+    S = np.array([0, 1, 2, 0])
+    KSS, R = np.zeros((4, 4)), np.zeros((5, 5))
+    ints, guards = np.array([3, 7]), np.zeros(len(core.GUARDS), dtype=np.int64)
+    core.refactor(K, S, KSS, ints, R, guards)
+    assert guards[core.GUARDS.index("pinv")] == 1 and ints[1] == 0
+    M, Rm = bordered_matrix(K, S[:3]), R[:4, :4]
+    assert np.all(np.isfinite(Rm)) and np.array_equal(Rm, Rm.T)
+    assert np.abs(M @ Rm @ M - M).max() <= 1e-12
+    assert np.abs(Rm - np.linalg.pinv(M)).max() <= 1e-10
