@@ -324,8 +324,8 @@ def _first_crossing(K, S, m, c, s, beta0, w, alpha, rho, diag, g, rate_g, status
     every atom's crossing time is formed from them first, without branches (that loop vectorises; the atoms'
     statuses and signs are in no order a branch predictor could follow); each atom whose bound does not rule
     it out is then re-evaluated from the fp64 kernel (its rate and its g recomputed from the coefficients,
-    both written back) and decided exactly, so the event found is the one the fp64 path meets. Ties as in the fp64 scan: a bound atom wins, then the lowest index; a strict
-    comparison keeps any earlier kind.
+    both written back) and decided exactly, so the event found is the one the fp64 path meets. Ties as in the
+    fp64 scan: a bound atom wins, then the lowest index; a strict comparison keeps any earlier kind.
     """
     for i in range(n):
         r = rate_g[i]

@@ -11,6 +11,7 @@ Exact duplicate keys are stored once, as an *atom* with multiplicity m and box m
 copies, and it keeps the bordered KKT matrix non-singular); each copy's coefficient is a / m, the
 minimum-norm split among copies, which makes the readout unique.
 """
+import functools
 import hashlib
 import itertools
 import json
@@ -74,6 +75,19 @@ class EvictionCertificate:
         d = dict(self.__dict__)
         d["token_id"] = repr(self.token_id)
         return d
+
+
+def _marks_failure(method):
+    """A SolverError from ``method`` leaves the operation half done (tokens recorded, coefficients moved): the
+    memory records it and refuses further use (``_check_usable``) rather than answer from that state."""
+    @functools.wraps(method)
+    def wrapper(self, *args):
+        try:
+            return method(self, *args)
+        except SolverError as exc:
+            self._failed = str(exc)
+            raise
+    return wrapper
 
 
 class SVMemory:
@@ -157,6 +171,7 @@ class SVMemory:
         self._guards = np.zeros(len(core.GUARDS), dtype=np.int64)
         self.rho_ = float("nan")
         self._fitted = False
+        self._failed = None               # why a solve failed mid-operation; the state is then unusable
 
     # ------------------------------------------------------------------ properties
     @property
@@ -241,7 +256,13 @@ class SVMemory:
         return kkt_residual(self._alpha[live], g[live], self._box()[live], self._status[live])
 
     # ------------------------------------------------------------------ validation
+    def _check_usable(self):
+        if self._failed is not None:
+            raise SolverError(f"this memory's state is unusable after a failed solve ({self._failed}); load a saved "
+                              f"state or rebuild the memory")
+
     def _check_fitted(self):
+        self._check_usable()
         if not self._fitted:
             raise InfeasibleError(
                 f"the memory holds {self.n_tokens} token(s) but C={self.C!r} needs at least {self.min_tokens} "
@@ -383,6 +404,7 @@ class SVMemory:
         (g >= 0); otherwise its coefficient is raised by the adiabatic incremental procedure. ``value`` defaults
         to the key itself (an auto-associative memory).
         """
+        self._check_usable()
         x = self._check_key(key)
         v = self._check_value(value, x)
         if token_id is None:
@@ -421,6 +443,7 @@ class SVMemory:
         Afterwards the state equals the fixed-C solution over the retained tokens (see
         :func:`memory.refit.verify_against_refit`).
         """
+        self._check_usable()
         slot = self._slot(token_id)
         if self.n_tokens == 1:
             raise InfeasibleError(f"cannot remove token {token_id!r}: it is the memory's last token")
@@ -570,6 +593,7 @@ class SVMemory:
 
         Token ids must be JSON scalars (int or str). No pickle: the file loads with ``allow_pickle=False``.
         """
+        self._check_usable()
         n = self._n
         ids = self.token_ids()
         K = self._K[:n, :n].copy()
@@ -689,6 +713,7 @@ class SVMemory:
         core.refactor(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards)
         core.gather_margin_rows32(self._K, self._Sbuf, m, self._n, self._KS32)
 
+    @_marks_failure
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
         from .refit import sklearn_alpha_guess
@@ -729,6 +754,7 @@ class SVMemory:
             return
         self._move_coefficient(slot, -1.0)  # a zero box leaves the atom in reserve; the caller drops it
 
+    @_marks_failure
     def _move_coefficient(self, c, s):
         """Move a_c monotonically to its new box along the exact solution path, then polish and check the end
         state (``solver_core.move_coefficient``, one compiled call)."""
@@ -756,6 +782,7 @@ class SVMemory:
                                self._R_CAP, self.rho_)
         self._settle(rho, res, -1, box)
 
+    @_marks_failure
     def _settle(self, rho, res, ex, box):
         """Take ``finish``'s end state: rho (the midpoint of its interval when the margin set is empty), and a
         repair when the KKT residual exceeds ``tol``. ``ex``: an atom left out of the state (-1: none)."""

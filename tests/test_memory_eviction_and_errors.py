@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from memory import (InfeasibleError, InvalidKeyError, NotCertifiableError, SVMemory, UnknownTokenError,
-                    verify_against_refit)
+from memory import (InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, SVMemory,
+                    UnknownTokenError, verify_against_refit)
 
 
 @pytest.fixture
@@ -228,3 +228,33 @@ def test_evicting_one_copy_of_a_duplicated_reserve_key_and_with_rho_unpinned():
     assert not cert.rho_pinned and cert.kkt_residual_after <= 1e-10
     square.evict(centre, cert)
     assert square.state_digest() == cert.digest_after and np.array_equal(square.read(Q), before)
+
+
+def test_a_failed_solve_leaves_the_memory_refusing_use_instead_of_answering_from_a_half_done_state(
+        filled, tmp_path, monkeypatch):
+    """A SolverError mid-operation (here injected: the compiled path step reports that it did not terminate)
+    leaves tokens recorded and coefficients moved; every later use must refuse with that reason, and nothing
+    may be saved, while a state saved before the failure still loads and works."""
+    import memory.svmemory as svm
+    mem, ids, rng = filled
+    mem.save(tmp_path / "before.npz")
+    real = svm.core.move_coefficient
+
+    def does_not_terminate(*args):
+        outcome, rho, res = real(*args)
+        return svm.core.SWEPT_ITERATION_CAP, rho, res
+
+    monkeypatch.setattr(svm.core, "move_coefficient", does_not_terminate)
+    victim = sorted(mem.partition().margin)[0]
+    with pytest.raises(SolverError, match="did not terminate"):
+        mem.remove(victim)
+    monkeypatch.undo()
+    for use in (lambda: mem.add(rng.standard_normal(3), rng.standard_normal(2)), lambda: mem.remove(ids[1]),
+                lambda: mem.read(rng.standard_normal(3)), lambda: mem.partition(),
+                lambda: mem.save(tmp_path / "after.npz")):
+        with pytest.raises(SolverError, match="unusable after a failed solve .*did not terminate"):
+            use()
+    assert not (tmp_path / "after.npz").exists()
+    back = SVMemory.load(tmp_path / "before.npz")
+    back.remove(victim)
+    assert verify_against_refit(back).max_dev <= 1e-8
