@@ -11,7 +11,7 @@ Exact duplicate keys are stored once, as an *atom* with multiplicity m and box m
 copies, and it keeps the bordered KKT matrix non-singular); each copy's coefficient is a / m, the
 minimum-norm split among copies, which makes the readout unique.
 """
-import functools
+import contextlib
 import hashlib
 import itertools
 import json
@@ -75,19 +75,6 @@ class EvictionCertificate:
         d = dict(self.__dict__)
         d["token_id"] = repr(self.token_id)
         return d
-
-
-def _marks_failure(method):
-    """A SolverError from ``method`` leaves the operation half done (tokens recorded, coefficients moved): the
-    memory records it and refuses further use (``_check_usable``) rather than answer from that state."""
-    @functools.wraps(method)
-    def wrapper(self, *args):
-        try:
-            return method(self, *args)
-        except SolverError as exc:
-            self._failed = str(exc)
-            raise
-    return wrapper
 
 
 class SVMemory:
@@ -171,7 +158,6 @@ class SVMemory:
         self._guards = np.zeros(len(core.GUARDS), dtype=np.int64)
         self.rho_ = float("nan")
         self._fitted = False
-        self._failed = None               # why a solve failed mid-operation; the state is then unusable
 
     # ------------------------------------------------------------------ properties
     @property
@@ -256,13 +242,7 @@ class SVMemory:
         return kkt_residual(self._alpha[live], g[live], self._box()[live], self._status[live])
 
     # ------------------------------------------------------------------ validation
-    def _check_usable(self):
-        if self._failed is not None:
-            raise SolverError(f"this memory's state is unusable after a failed solve ({self._failed}); load a saved "
-                              f"state or rebuild the memory")
-
     def _check_fitted(self):
-        self._check_usable()
         if not self._fitted:
             raise InfeasibleError(
                 f"the memory holds {self.n_tokens} token(s) but C={self.C!r} needs at least {self.min_tokens} "
@@ -404,7 +384,6 @@ class SVMemory:
         (g >= 0); otherwise its coefficient is raised by the adiabatic incremental procedure. ``value`` defaults
         to the key itself (an auto-associative memory).
         """
-        self._check_usable()
         x = self._check_key(key)
         v = self._check_value(value, x)
         if token_id is None:
@@ -431,10 +410,15 @@ class SVMemory:
         self._value_sum[slot] = v.copy() if self._value_sum[slot] is None else self._value_sum[slot] + v
         self._set_multiplicity(slot, self._mult[slot] + 1)
 
-        if self._fitted:
-            self._admit(slot)
-        elif self.n_tokens * self.C >= 1.0 - _FEAS_SLACK:
-            self._seed()
+        try:
+            if self._fitted:
+                self._admit(slot)
+            elif self.n_tokens * self.C >= 1.0 - _FEAS_SLACK:
+                self._seed()
+        except SolverError:
+            self._set_multiplicity(slot, self._mult[slot] - 1)  # the solution is already back as it was
+            self._forget_token(token_id, slot)
+            raise
         return token_id
 
     def remove(self, token_id):
@@ -443,7 +427,6 @@ class SVMemory:
         Afterwards the state equals the fixed-C solution over the retained tokens (see
         :func:`memory.refit.verify_against_refit`).
         """
-        self._check_usable()
         slot = self._slot(token_id)
         if self.n_tokens == 1:
             raise InfeasibleError(f"cannot remove token {token_id!r}: it is the memory's last token")
@@ -453,7 +436,11 @@ class SVMemory:
                 f"C={self.C!r} (needs n * C >= 1, i.e. at least {self.min_tokens} tokens)")
         self._set_multiplicity(slot, self._mult[slot] - 1)
         if self._fitted:
-            self._release(slot)
+            try:
+                self._release(slot)
+            except SolverError:
+                self._set_multiplicity(slot, self._mult[slot] + 1)  # the solution is already back as it was
+                raise
         self._forget_token(token_id, slot)
 
     def remove_many(self, token_ids):
@@ -593,7 +580,6 @@ class SVMemory:
 
         Token ids must be JSON scalars (int or str). No pickle: the file loads with ``allow_pickle=False``.
         """
-        self._check_usable()
         n = self._n
         ids = self.token_ids()
         K = self._K[:n, :n].copy()
@@ -713,9 +699,12 @@ class SVMemory:
         core.refactor(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards)
         core.gather_margin_rows32(self._K, self._Sbuf, m, self._n, self._KS32)
 
-    @_marks_failure
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
+        with self._rolled_back_on_failure():
+            self._seed_state()
+
+    def _seed_state(self):
         from .refit import sklearn_alpha_guess
         live = self._live_slots()
         K = self._K[np.ix_(live, live)]
@@ -754,20 +743,37 @@ class SVMemory:
             return
         self._move_coefficient(slot, -1.0)  # a zero box leaves the atom in reserve; the caller drops it
 
-    @_marks_failure
     def _move_coefficient(self, c, s):
         """Move a_c monotonically to its new box along the exact solution path, then polish and check the end
         state (``solver_core.move_coefficient``, one compiled call)."""
         box = self._box()
-        outcome, rho, res = core.move_coefficient(
-            self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS, self._KS32, self._ints,
-            self._Rbuf, self._guards, self._n, c, s, self.rho_, self._diag, self._EPS, self._REL_PIVOT,
-            self.refactor_every, self._R_CAP)
-        if outcome == core.SWEPT_NO_EVENT:
-            raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
-        if outcome == core.SWEPT_ITERATION_CAP:
-            raise SolverError("the incremental/decremental path did not terminate")
-        self._settle(rho, res, c if box[c] == 0.0 else -1, box)
+        with self._rolled_back_on_failure():
+            outcome, rho, res = core.move_coefficient(
+                self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS, self._KS32, self._ints,
+                self._Rbuf, self._guards, self._n, c, s, self.rho_, self._diag, self._EPS, self._REL_PIVOT,
+                self.refactor_every, self._R_CAP)
+            if outcome == core.SWEPT_NO_EVENT:
+                raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
+            if outcome == core.SWEPT_ITERATION_CAP:
+                raise SolverError("the incremental/decremental path did not terminate")
+            self._settle(rho, res, c if box[c] == 0.0 else -1, box)
+
+    @contextlib.contextmanager
+    def _rolled_back_on_failure(self):
+        """On a SolverError, put the solution back as it was before the operation: coefficients, g, sets and rho
+        from a copy (O(n), ~1.4 us at 1,024 atoms), the inverse rebuilt from K for that margin set. The caller
+        then undoes its own bookkeeping (the token's record and multiplicity), so a failed add or remove leaves
+        the memory as it was."""
+        n, m = self._n, int(self._ints[0])
+        saved = (self._alpha[:n].copy(), self._g[:n].copy(), self._status[:n].copy(), self._Sbuf[:m].copy(),
+                 self.rho_, self._fitted)
+        try:
+            yield
+        except SolverError:
+            alpha, g, status, S, self.rho_, self._fitted = saved
+            self._alpha[:n], self._g[:n], self._status[:n] = alpha, g, status
+            self._set_margin(S)
+            raise
 
     def _finish(self):
         """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
@@ -782,7 +788,6 @@ class SVMemory:
                                self._R_CAP, self.rho_)
         self._settle(rho, res, -1, box)
 
-    @_marks_failure
     def _settle(self, rho, res, ex, box):
         """Take ``finish``'s end state: rho (the midpoint of its interval when the margin set is empty), and a
         repair when the KKT residual exceeds ``tol``. ``ex``: an atom left out of the state (-1: none)."""

@@ -230,31 +230,31 @@ def test_evicting_one_copy_of_a_duplicated_reserve_key_and_with_rho_unpinned():
     assert square.state_digest() == cert.digest_after and np.array_equal(square.read(Q), before)
 
 
-def test_a_failed_solve_leaves_the_memory_refusing_use_instead_of_answering_from_a_half_done_state(
-        filled, tmp_path, monkeypatch):
-    """A SolverError mid-operation (here injected: the compiled path step reports that it did not terminate)
-    leaves tokens recorded and coefficients moved; every later use must refuse with that reason, and nothing
-    may be saved, while a state saved before the failure still loads and works."""
+def test_a_failed_solve_leaves_the_memory_as_it_was_before_the_add_or_remove(filled, monkeypatch):
+    """A SolverError mid-operation (here injected: the compiled path step reports that it did not terminate,
+    after it has moved coefficients and the inverse) must leave the memory as before the call: the same state
+    digest and outputs, the token kept (remove) or not stored (add), and every later operation exact."""
     import memory.svmemory as svm
     mem, ids, rng = filled
-    mem.save(tmp_path / "before.npz")
     real = svm.core.move_coefficient
 
     def does_not_terminate(*args):
         outcome, rho, res = real(*args)
         return svm.core.SWEPT_ITERATION_CAP, rho, res
 
-    monkeypatch.setattr(svm.core, "move_coefficient", does_not_terminate)
+    Q = rng.standard_normal((20, 3))
+    digest, out, n_tokens = mem.state_digest(), mem.decision_function(Q), mem.n_tokens
     victim = sorted(mem.partition().margin)[0]
+    outside = rng.standard_normal(3) * 4.0  # far outside the description: its add takes the solver path
+    monkeypatch.setattr(svm.core, "move_coefficient", does_not_terminate)
     with pytest.raises(SolverError, match="did not terminate"):
         mem.remove(victim)
+    with pytest.raises(SolverError, match="did not terminate"):
+        mem.add(outside, rng.standard_normal(2), token_id="outside")
     monkeypatch.undo()
-    for use in (lambda: mem.add(rng.standard_normal(3), rng.standard_normal(2)), lambda: mem.remove(ids[1]),
-                lambda: mem.read(rng.standard_normal(3)), lambda: mem.partition(),
-                lambda: mem.save(tmp_path / "after.npz")):
-        with pytest.raises(SolverError, match="unusable after a failed solve .*did not terminate"):
-            use()
-    assert not (tmp_path / "after.npz").exists()
-    back = SVMemory.load(tmp_path / "before.npz")
-    back.remove(victim)
-    assert verify_against_refit(back).max_dev <= 1e-8
+    assert mem.state_digest() == digest and mem.n_tokens == n_tokens
+    assert victim in mem and "outside" not in mem
+    assert np.max(np.abs(mem.decision_function(Q) - out)) <= 1e-12
+    mem.remove(victim)
+    mem.add(outside, rng.standard_normal(2), token_id="outside")
+    assert mem.kkt_residual() <= 1e-10 and verify_against_refit(mem).max_dev <= 1e-8
