@@ -243,7 +243,9 @@ def shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap):
 
 @njit(cache=True)
 def _accumulate_rows(K, rows, weights, count, n, out):
-    """out[:n] += sum_a weights[a] K[rows[a], :n], four rows per pass over ``out`` (memory-bound otherwise)."""
+    """out[:n] += sum_a weights[a] K[rows[a], :n], four rows per pass over ``out`` (memory-bound otherwise).
+
+    K may be single precision (``KS32``, rows = 0..count-1): the sum is still formed in double precision."""
     a = 0
     while a + 4 <= count:
         r0, r1, r2, r3 = K[rows[a]], K[rows[a + 1]], K[rows[a + 2]], K[rows[a + 3]]
@@ -253,24 +255,6 @@ def _accumulate_rows(K, rows, weights, count, n, out):
         a += 4
     while a < count:
         row = K[rows[a]]
-        w = weights[a]
-        for i in range(n):
-            out[i] += w * row[i]
-        a += 1
-
-
-@njit(cache=True)
-def _accumulate_rows32(KS32, weights, count, n, out):
-    """out[:n] += sum_a weights[a] KS32[a, :n] in double precision (as ``_accumulate_rows``)."""
-    a = 0
-    while a + 4 <= count:
-        r0, r1, r2, r3 = KS32[a], KS32[a + 1], KS32[a + 2], KS32[a + 3]
-        w0, w1, w2, w3 = weights[a], weights[a + 1], weights[a + 2], weights[a + 3]
-        for i in range(n):
-            out[i] += w0 * r0[i] + w1 * r1[i] + w2 * r2[i] + w3 * r3[i]
-        a += 4
-    while a < count:
-        row = KS32[a]
         w = weights[a]
         for i in range(n):
             out[i] += w * row[i]
@@ -407,6 +391,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     c_frozen = False
     rate_g = np.empty(n)
     crossing = np.empty(n)
+    margin_rows = np.arange(n)  # KS32's rows, in the margin set's order
     for _ in range(20 * n + 100):
         m = ints[0]
         if m > 0:
@@ -422,7 +407,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             w = (2.0 * s) * beta[1:]
             for i in range(n):
                 rate_g[i] = s * (2.0 * row[i] + beta[0])
-            _accumulate_rows32(KS32, w, m, n, rate_g)
+            _accumulate_rows(KS32, margin_rows, w, m, n, rate_g)
             for a in range(m):
                 rate_g[S[a]] = 0.0
             rate_g[c] = _exact_rate(K, S, m, c, s, beta[0], w, c)

@@ -702,22 +702,29 @@ class SVMemory:
     def _seed(self):
         """First feasible state: an exact batch solve of the tokens stored so far (a few of them)."""
         with self._rolled_back_on_failure():
-            self._seed_state()
+            live = self._live_slots()
+            sol = self._batch_solve(live, self._box())
+            if sol.residual > self.tol:
+                raise SolverError(f"could not seed the memory: KKT residual {sol.residual:.3g} > tol={self.tol:g}")
+            self._adopt(live, sol)
+            self._fitted = True
+            self._finish()
 
-    def _seed_state(self):
+    def _batch_solve(self, idx, box, start=None):
+        """Exact batch solve over atoms ``idx`` (``kkt.solve_exact``), from ``start`` or else from
+        scikit-learn's solution of the same atoms."""
         from .refit import sklearn_alpha_guess
-        live = self._live_slots()
-        K = self._K[np.ix_(live, live)]
-        guess = sklearn_alpha_guess(K, self._mult[live], self.C)
-        sol = solve_exact(K, self._box()[live], guess, diag=self._diag, tol=self.tol * 1e-2)
-        if sol.residual > self.tol:
-            raise SolverError(f"could not seed the memory: KKT residual {sol.residual:.3g} > tol={self.tol:g}")
-        self._alpha[live] = sol.alpha
-        self._status[live] = sol.status
+        K = self._K[np.ix_(idx, idx)]
+        if start is None:
+            start = sklearn_alpha_guess(K, self._mult[idx], self.C)
+        return solve_exact(K, box[idx], start, diag=self._diag, tol=self.tol * 1e-2)
+
+    def _adopt(self, idx, sol):
+        """Take a batch solution over atoms ``idx`` as the state (the inverse rebuilt for its margin set)."""
+        self._alpha[idx] = sol.alpha
+        self._status[idx] = sol.status
         self.rho_ = sol.rho
-        self._set_margin(live[sol.status == MARGIN])
-        self._fitted = True
-        self._finish()
+        self._set_margin(idx[sol.status == MARGIN])
 
     def _admit(self, slot):
         """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
@@ -816,17 +823,11 @@ class SVMemory:
         """Last-resort exact batch solve (counted; should be rare): from the current coefficients, and when
         that start does not reach ``tol`` (near-duplicate keys can leave it far off), from scikit-learn's
         solution of the same atoms, the start the memory is seeded from."""
-        from .refit import sklearn_alpha_guess
         self._guards[core.GUARDS.index("repair")] += 1
-        K = self._K[np.ix_(idx, idx)]
-        sol = solve_exact(K, box[idx], self._alpha[idx], diag=self._diag, tol=self.tol * 1e-2)
+        sol = self._batch_solve(idx, box, start=self._alpha[idx])
         if sol.residual > self.tol:
-            guess = sklearn_alpha_guess(K, self._mult[idx], self.C)
-            sol = solve_exact(K, box[idx], guess, diag=self._diag, tol=self.tol * 1e-2)
+            sol = self._batch_solve(idx, box)
         if sol.residual > self.tol:
             raise SolverError(f"KKT residual {sol.residual:.3g} exceeds tol={self.tol:g} after repair")
-        self._alpha[idx] = sol.alpha
-        self._status[idx] = sol.status
-        self.rho_ = sol.rho
-        self._set_margin(idx[sol.status == MARGIN])
+        self._adopt(idx, sol)
         core.exact_g(self._K, self._alpha, self._n, self.rho_, self._diag, self._g)

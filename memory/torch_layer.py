@@ -51,7 +51,7 @@ class SVCoefficients(torch.autograd.Function):
         ctx.R = mem._kkt_inverse().copy()
         ctx.alpha_atoms = mem._alpha[:n].copy()
         ctx.status = mem._status[:n].copy()
-        ctx.box = (mem._mult[:n] * C).astype(np.float64)
+        ctx.box = mem._box()[:n].copy()
         ctx.mult = mem._mult[:n].copy()
         return alpha, torch.tensor(mem.rho_, dtype=X.dtype, device=X.device)
 
