@@ -258,3 +258,26 @@ def test_a_failed_solve_leaves_the_memory_as_it_was_before_the_add_or_remove(fil
     mem.remove(victim)
     mem.add(outside, rng.standard_normal(2), token_id="outside")
     assert mem.kkt_residual() <= 1e-10 and verify_against_refit(mem).max_dev <= 1e-8
+
+
+def test_a_failed_first_fit_leaves_the_memory_as_it_was_and_a_later_add_fits(monkeypatch):
+    """The add that makes the memory feasible seeds it with a batch solve; when that solve fails (injected: a
+    residual above tol) the add must raise, store nothing, and leave the memory unfitted with its tokens."""
+    import dataclasses
+
+    import memory.svmemory as svm
+    rng = np.random.default_rng(4)
+    mem = SVMemory(C=1 / 4, gamma=0.5)
+    first = [mem.add(x) for x in rng.standard_normal((3, 2))]
+    real = svm.solve_exact
+
+    def inexact(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), residual=1.0)
+
+    monkeypatch.setattr(svm, "solve_exact", inexact)
+    with pytest.raises(SolverError, match="could not seed"):
+        mem.add(rng.standard_normal(2), token_id="fourth")
+    monkeypatch.undo()
+    assert not mem.is_feasible and mem.token_ids() == first and "fourth" not in mem and mem.n_atoms == 3
+    mem.add(rng.standard_normal(2), token_id="fourth")
+    assert mem.is_feasible and mem.kkt_residual() <= 1e-10 and verify_against_refit(mem).max_dev <= 1e-8
