@@ -230,26 +230,29 @@ def test_evicting_one_copy_of_a_duplicated_reserve_key_and_with_rho_unpinned():
     assert square.state_digest() == cert.digest_after and np.array_equal(square.read(Q), before)
 
 
-def test_a_failed_solve_leaves_the_memory_as_it_was_before_the_add_or_remove(filled, monkeypatch):
-    """A SolverError mid-operation (here injected: the compiled path step reports that it did not terminate,
-    after it has moved coefficients and the inverse) must leave the memory as before the call: the same state
-    digest and outputs, the token kept (remove) or not stored (add), and every later operation exact."""
+@pytest.mark.parametrize("failure, message", [("SWEPT_ITERATION_CAP", "did not terminate"),
+                                              ("SWEPT_NO_EVENT", "no reachable bookkeeping event")])
+def test_a_failed_solve_leaves_the_memory_as_it_was_before_the_add_or_remove(filled, monkeypatch, failure, message):
+    """A SolverError mid-operation (here injected: the compiled path step reports that it did not terminate, or
+    found no event, after it has moved coefficients and the inverse) must leave the memory as before the call:
+    the same state digest and outputs, the token kept (remove) or not stored (add), and every later operation
+    exact."""
     import memory.svmemory as svm
     mem, ids, rng = filled
     real = svm.core.move_coefficient
 
-    def does_not_terminate(*args):
+    def fails(*args):
         outcome, rho, res = real(*args)
-        return svm.core.SWEPT_ITERATION_CAP, rho, res
+        return getattr(svm.core, failure), rho, res
 
     Q = rng.standard_normal((20, 3))
     digest, out, n_tokens = mem.state_digest(), mem.decision_function(Q), mem.n_tokens
     victim = sorted(mem.partition().margin)[0]
     outside = rng.standard_normal(3) * 4.0  # far outside the description: its add takes the solver path
-    monkeypatch.setattr(svm.core, "move_coefficient", does_not_terminate)
-    with pytest.raises(SolverError, match="did not terminate"):
+    monkeypatch.setattr(svm.core, "move_coefficient", fails)
+    with pytest.raises(SolverError, match=message):
         mem.remove(victim)
-    with pytest.raises(SolverError, match="did not terminate"):
+    with pytest.raises(SolverError, match=message):
         mem.add(outside, rng.standard_normal(2), token_id="outside")
     monkeypatch.undo()
     assert mem.state_digest() == digest and mem.n_tokens == n_tokens
