@@ -10,7 +10,8 @@ State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries
 
 * ``K`` (cap, cap) Gram matrix over atoms, symmetric, so row j is column j and is read contiguously;
 * ``alpha``, ``g`` (cap,), ``status`` int8 (cap,), ``box`` float64 (n,) = multiplicity * C; slots below n may
-  be ``FREE`` (their kernel rows and columns are stale and never read for a live atom's result);
+  be ``FREE`` (their kernel rows and columns are stale and never read for a live atom's result); g is within
+  a stated bound (``g_err``) of the coefficients' fp64 g, see ``finish``;
 * ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
 * ``KSS`` (cap, cap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
   gathering m^2 scattered entries of K);
@@ -41,12 +42,16 @@ _REFINE_STEPS = 6
 _REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse is rebuilt
 _RESIDUAL_ROUNDING = 1e-15  # a bordered-system residual this small is not worth a correction
 
-# The sweep's g of atoms outside the margin set is tracked with single-precision rates: its error bound starts
-# at _G_SLACK (rounding of the fp64 g it starts from, and of recomputing one) and g is recomputed from the
-# coefficients when the bound passes _G_RESYNC (long sweeps), so that few atoms need an exact re-evaluation.
+# The maintained g of atoms outside the margin set is tracked with single-precision rates and carries a bound
+# on its error (``g_err``), from operation to operation: a sweep adds _G_SLACK (rounding of an fp64 g, and of
+# recomputing one) to the bound it starts from, and every g is recomputed from the coefficients once the bound
+# passes _G_RESYNC, so that few atoms ever need an exact re-evaluation.
 _G_SLACK = 1e-13
 _BETA_CARRY = 8  # steps a sweep's beta may be carried from event to event before it is solved afresh
 _G_RESYNC = 1e-4
+# At the end of an operation, atoms whose maintained g is within its error bound of the wrong side of 0 are
+# re-evaluated one by one (a kernel row each); more than this many, and every g is recomputed instead.
+_NEAR_EXACT = 16
 _F32_UNIT = 2.0 ** -24  # |fl32(x) - x| <= _F32_UNIT |x|
 
 # Outcomes of a sweep.
@@ -364,7 +369,7 @@ def _beta_with(beta, beta_j, lam, m):
 
 @njit(cache=True)
 def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, target, rho, diag, eps, rel_pivot,
-          refactor_every, r_cap, beta_start):
+          refactor_every, r_cap, beta_start, g_err):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
 
     Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching 0
@@ -376,13 +381,13 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     O(n |S|) part reads the margin atoms' kernel rows in single precision (``KS32``), with a rigorous bound
     on the rates' error: every atom the bound cannot rule out as the next event is decided from the fp64
     kernel (``_first_crossing``), and a_S, rho, a_c and g_c move at fp64 rates. The other atoms' g then
-    carry the bounded error until the caller recomputes g from the coefficients (``finish``); it is
-    recomputed here too should the bound grow past ``_G_RESYNC``.
+    carry the bounded error: ``g_err`` bounds it on entry (0: g is the fp64 g of the coefficients), and the
+    grown bound is returned; g is recomputed from the coefficients should it pass ``_G_RESYNC``.
 
-    Returns (outcome, rho).
+    Returns (outcome, rho, g_err).
     """
     skip = -1
-    g_err = _G_SLACK
+    g_err += _G_SLACK
     # beta carried over from the last event (see below), or given for the first step, instead of solved afresh
     beta_known = len(beta_start) == ints[0] + 1 and ints[0] > 0
     beta = beta_start
@@ -453,8 +458,8 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
                 # caller's polish verifies the result's KKT residual.
                 alpha[c] = target
                 status[c] = BOUND
-                return SWEPT_TO_TARGET, rho
-            return SWEPT_NO_EVENT, rho
+                return SWEPT_TO_TARGET, rho, g_err
+            return SWEPT_NO_EVENT, rho, g_err
 
         t = best_t
         for a in range(m):
@@ -474,7 +479,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
         if kind == 0:
             alpha[c] = target
             status[c] = BOUND
-            return SWEPT_TO_TARGET, rho
+            return SWEPT_TO_TARGET, rho, g_err
         # The next step's beta follows from this one's (O(|S|) instead of a solve with the inverse, O(|S|^2)):
         # a margin atom that leaves keeps its coefficient, so beta loses the component along that atom's column
         # of the inverse; an atom that joins moves at the rate lambda that holds its g, beta_j lambda added.
@@ -482,7 +487,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             g[c] = 0.0
             if grow(K, S, KSS, KS32, ints, R, guards, n, c, rel_pivot, refactor_every, r_cap)[0]:
                 status[c] = MARGIN
-                return SWEPT_TO_MARGIN, rho
+                return SWEPT_TO_MARGIN, rho, g_err
             c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
             beta_known = m > 0
         elif kind == 2 or kind == 3:
@@ -506,7 +511,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
                 frozen[j] = True
                 beta_known = m > 0
     guards[_ITER_CAP] += 1
-    return SWEPT_ITERATION_CAP, rho
+    return SWEPT_ITERATION_CAP, rho, g_err
 
 
 @njit(cache=True)
@@ -619,29 +624,88 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
 
 
 @njit(cache=True)
-def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho):
-    """End of an operation: polish (from the current coefficients and ``rho``), then recompute every g from the
-    coefficients and the KKT residual.
+def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho,
+           g_err):
+    """End of an operation: polish (from the current coefficients and ``rho``), then the exact KKT residual of
+    the end state.
 
-    Returns (rho, residual); with an empty margin set rho is not pinned by the system and (nan, nan) is
-    returned: the caller sets the midpoint rho and recomputes g.
+    ``g`` is within ``g_err`` of the fp64 g of the coefficients on entry (inf: not known). Recomputing every g
+    is a pass over the active atoms' fp64 kernel rows, as much memory traffic as a sweep step, and the residual
+    needs no such pass: the margin atoms' g are computed exactly from K_SS and the bound atoms' rows
+    (``_margin_g``), every other atom whose maintained g lies within the bound of its wrong side of 0 is
+    re-evaluated from its kernel row (``_refresh_near``), and the rest are on their right side by the bound.
+    The bound grows by what the polish moved (|d rho| + 2 k(x, x) sum |d a|: |K_ij| <= k(x, x) for a kernel
+    with constant diagonal); every g is recomputed when it passes ``_G_RESYNC`` or too many atoms are near.
+
+    Returns (rho, residual, g_err); with an empty margin set rho is not pinned by the system and (nan, nan, nan)
+    is returned: the caller sets the midpoint rho and recomputes g.
     """
+    before = alpha[:n].copy()
+    rho_before = rho
     rho = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho)
     if ints[0] == 0:
-        return math.nan, math.nan
-    exact_g(K, alpha, n, rho, diag, g)
-    return rho, residual(alpha, g, box, status, n, exclude)
+        return math.nan, math.nan, math.nan
+    moved = 0.0
+    for i in range(n):
+        moved += abs(alpha[i] - before[i])
+    g_err += abs(rho - rho_before) + 2.0 * diag * moved  # inf (never nan) when rho_before was not known
+    if not g_err <= _G_RESYNC or not _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err):
+        exact_g(K, alpha, n, rho, diag, g)
+        g_err = 0.0
+    else:
+        _margin_g(K, KSS, S, ints[0], alpha, status, n, exclude, rho, diag, g)
+    return rho, residual(alpha, g, box, status, n, exclude), g_err
+
+
+@njit(cache=True)
+def _margin_g(K, KSS, S, m, alpha, status, n, exclude, rho, diag, g):
+    """g of the margin atoms from their coefficients: K_SS a_S (contiguous rows of ``KSS``) plus the bound
+    atoms' kernel rows at S."""
+    gs = np.full(m, rho - diag)
+    for b in range(m):
+        w = 2.0 * alpha[S[b]]
+        row = KSS[b]
+        for a in range(m):
+            gs[a] += w * row[a]
+    for i in range(n):
+        if i != exclude and status[i] == BOUND:
+            w = 2.0 * alpha[i]
+            row = K[i]
+            for a in range(m):
+                gs[a] += w * row[S[a]]
+    for a in range(m):
+        g[S[a]] = gs[a]
+
+
+@njit(cache=True)
+def _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err):
+    """Re-evaluate from the coefficients every reserve atom whose maintained g is below ``g_err`` and every
+    bound atom whose g is above ``-g_err`` (the others are on their side of 0 whatever their error); False,
+    with nothing changed, when there are more than ``_NEAR_EXACT`` of them."""
+    near = np.empty(_NEAR_EXACT, dtype=np.int64)
+    count = 0
+    for i in range(n):
+        st = status[i]
+        if i != exclude and ((st == RESERVE and g[i] < g_err) or (st == BOUND and g[i] > -g_err)):
+            if count == _NEAR_EXACT:
+                return False
+            near[count] = i
+            count += 1
+    for k in range(count):
+        g[near[k]] = _exact_g_one(K, alpha, n, rho, diag, near[k])
+    return True
 
 
 @njit(cache=True)
 def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, rho, diag, eps, rel_pivot,
-                     refactor_every, r_cap):
+                     refactor_every, r_cap, g_err):
     """One solver operation in a single compiled call: take atom c out of its set, sweep a_c to its new box
     ``box[c]`` (s = +1 after a token was added, -1 after one was removed), then ``finish``. An atom swept down
-    to a zero box is left in the reserve set and excluded from the end state (the caller drops it).
+    to a zero box is left in the reserve set and excluded from the end state (the caller drops it). ``g`` is
+    within ``g_err`` of the coefficients' fp64 g on entry, and g_c exact.
 
-    Returns (outcome, rho, residual): the sweep's outcome (the state is unfinished unless it is
-    SWEPT_TO_TARGET or SWEPT_TO_MARGIN) and ``finish``'s rho and residual.
+    Returns (outcome, rho, residual, g_err): the sweep's outcome (the state is unfinished unless it is
+    SWEPT_TO_TARGET or SWEPT_TO_MARGIN) and ``finish``'s rho, residual and error bound of g.
     """
     beta = np.zeros(0)
     if status[c] == MARGIN:
@@ -656,18 +720,18 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
             beta = _beta_without(R, m, unit, k)
         shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap)
     status[c] = DETACHED
-    outcome, rho = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, box[c], rho, diag, eps,
-                         rel_pivot, refactor_every, r_cap, beta)
+    outcome, rho, g_err = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, box[c], rho, diag,
+                                eps, rel_pivot, refactor_every, r_cap, beta, g_err)
     if outcome != SWEPT_TO_TARGET and outcome != SWEPT_TO_MARGIN:
-        return outcome, rho, math.nan
+        return outcome, rho, math.nan, math.nan
     exclude = -1
     if box[c] == 0.0:
         alpha[c] = 0.0
         status[c] = RESERVE
         exclude = c
-    rho_end, res = finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every,
-                          r_cap, rho)
-    return outcome, rho_end, res
+    rho_end, res, g_err = finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag,
+                                 refactor_every, r_cap, rho, g_err)
+    return outcome, rho_end, res, g_err
 
 
 @njit(cache=True)

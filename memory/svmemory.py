@@ -157,6 +157,7 @@ class SVMemory:
         self._ints = np.zeros(2, dtype=np.int64)  # [m, rank-one updates since the last refactorisation]
         self._guards = np.zeros(len(core.GUARDS), dtype=np.int64)
         self.rho_ = float("nan")
+        self._g_err = math.inf  # bound on |_g - fp64 g of the coefficients| (0: _g is that g, to rounding)
         self._fitted = False
 
     # ------------------------------------------------------------------ properties
@@ -217,9 +218,9 @@ class SVMemory:
         return self._tokens[token_id][1].copy()
 
     def decision_value_of(self, token_id):
-        """g of a stored token (maintained exactly by the solver)."""
+        """g of a stored token, computed from the coefficients in fp64."""
         self._check_fitted()
-        return float(self._g[self._slot(token_id)])
+        return float(self._exact_maintained_g()[self._slot(token_id)])
 
     def status_of(self, token_id):
         """'margin', 'bound' or 'reserve'."""
@@ -490,15 +491,14 @@ class SVMemory:
         if not leaves:
             box[slot] -= self.C
         rho_pinned = bool(self._ints[0])
-        # The maintained g is exact: every solver operation ends by recomputing it from the coefficients, and
-        # admitting or evicting a reserve token changes no coefficient.
+        g = self._exact_maintained_g()  # evicting a reserve token changes no coefficient, so no g but rho's shift
         if rho_pinned:
-            rho_after, g_after = self.rho_, self._g
+            rho_after, g_after = self.rho_, g
         else:
             rho_after = self._midpoint_rho(self._atoms_except(gone))
-            g_after = self._g[:n] + (rho_after - self.rho_)
+            g_after = g[:n] + (rho_after - self.rho_)
         residual = float(core.residual(self._alpha, g_after, box, self._status, n, gone))
-        gj = float(self._g[slot])
+        gj = float(g[slot])
         return EvictionCertificate(
             token_id=token_id, alpha=float(self._alpha[slot]), decision_value=gj, margin=gj,
             tau_res=self.tau_res, strictly_complementary=gj > self.tau_res, rho_pinned=rho_pinned,
@@ -560,7 +560,7 @@ class SVMemory:
         res = np.flatnonzero(self._status[:n] == RESERVE)
         if not len(res):
             return None
-        slot = res[np.argmax(self._g[res])]
+        slot = res[np.argmax(self._exact_maintained_g()[res])]
         return self._atom_tokens[slot][0]
 
     def smallest_active(self):
@@ -582,6 +582,8 @@ class SVMemory:
         """
         n = self._n
         ids = self.token_ids()
+        if self._fitted:
+            self._exact_maintained_g()
         K = self._K[:n, :n].copy()
         K[self._free, :] = 0.0  # stale rows and columns of deleted atoms are not written (see _drop_atom)
         K[:, self._free] = 0.0
@@ -648,6 +650,7 @@ class SVMemory:
             mem._guards[core.GUARDS.index(name)] = count
         mem.rho_ = meta["rho"]
         mem._fitted = meta["fitted"]
+        mem._g_err = 0.0 if mem._fitted else math.inf  # save() writes g exact
         mem._next_seq = itertools.count(meta["next_seq"])
         mem._arrivals = itertools.count(meta["next_arrival"])
         ints = [t for t in mem._tokens if isinstance(t, int)]
@@ -691,6 +694,21 @@ class SVMemory:
         core.exact_g(self._K, self._alpha, self._n, self.rho_, self._diag, g)
         return g
 
+    def _exact_maintained_g(self):
+        """The maintained g (a view), first recomputed from the coefficients if it carries any error.
+
+        A solver operation leaves g within a bound of exact (``solver_core.finish``: recomputing every g costs
+        as much as the decrement's path itself, and the next operation's sweep needs only the bound); whatever
+        reads g recomputes it here, once.
+        """
+        if self._g_err:
+            self._set_exact_g()
+        return self._g[:self._n]
+
+    def _set_exact_g(self):
+        core.exact_g(self._K, self._alpha, self._n, self.rho_, self._diag, self._g)
+        self._g_err = 0.0
+
     def _set_margin(self, slots):
         """Make ``slots`` the margin set and refactor the inverse from K."""
         m = len(slots)
@@ -724,6 +742,7 @@ class SVMemory:
         self._alpha[idx] = sol.alpha
         self._status[idx] = sol.status
         self.rho_ = sol.rho
+        self._g_err = math.inf  # g is not the new coefficients'
         self._set_margin(idx[sol.status == MARGIN])
 
     def _admit(self, slot):
@@ -755,10 +774,10 @@ class SVMemory:
         state (``solver_core.move_coefficient``, one compiled call)."""
         box = self._box()
         with self._rolled_back_on_failure():
-            outcome, rho, res = core.move_coefficient(
+            outcome, rho, res, self._g_err = core.move_coefficient(
                 self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS, self._KS32, self._ints,
                 self._Rbuf, self._guards, self._n, c, s, self.rho_, self._diag, self._EPS, self._REL_PIVOT,
-                self.refactor_every, self._R_CAP)
+                self.refactor_every, self._R_CAP, self._g_err)
             if outcome == core.SWEPT_NO_EVENT:
                 raise SolverError("no reachable bookkeeping event: the retained problem is infeasible")
             if outcome == core.SWEPT_ITERATION_CAP:
@@ -773,11 +792,11 @@ class SVMemory:
         the memory as it was."""
         n, m = self._n, int(self._ints[0])
         saved = (self._alpha[:n].copy(), self._g[:n].copy(), self._status[:n].copy(), self._Sbuf[:m].copy(),
-                 self.rho_, self._fitted)
+                 self.rho_, self._g_err, self._fitted)
         try:
             yield
         except SolverError:
-            alpha, g, status, S, self.rho_, self._fitted = saved
+            alpha, g, status, S, self.rho_, self._g_err, self._fitted = saved
             self._alpha[:n], self._g[:n], self._status[:n] = alpha, g, status
             self._set_margin(S)
             raise
@@ -785,14 +804,15 @@ class SVMemory:
     def _finish(self):
         """Polish the end state of an operation and repair it if its KKT residual exceeds ``tol``.
 
-        The sweep accumulates rounding in a, rho and g; re-solving the bordered system on the final partition
-        with the maintained inverse (iterative refinement; a rebuilt inverse when that does not converge) and
-        recomputing g from a removes it.
+        The sweep accumulates rounding in a and rho; re-solving the bordered system on the final partition
+        with the maintained inverse (iterative refinement; a rebuilt inverse when that does not converge) removes
+        it. The residual is exact; g is left within its stated error bound (see ``solver_core.finish``).
         """
         box = self._box()
-        rho, res = core.finish(self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._KS32,
-                               self._ints, self._Rbuf, self._guards, self._n, -1, self._diag, self.refactor_every,
-                               self._R_CAP, self.rho_)
+        rho, res, self._g_err = core.finish(
+            self._K, self._alpha, self._g, self._status, box, self._Sbuf, self._KSS, self._KS32, self._ints,
+            self._Rbuf, self._guards, self._n, -1, self._diag, self.refactor_every, self._R_CAP, self.rho_,
+            self._g_err)
         self._settle(rho, res, -1, box)
 
     def _settle(self, rho, res, ex, box):
@@ -803,7 +823,7 @@ class SVMemory:
             self.rho_ = float(rho)
         else:
             self.rho_ = self._midpoint_rho(self._atoms_except(ex))
-            core.exact_g(self._K, self._alpha, n, self.rho_, self._diag, self._g)
+            self._set_exact_g()
             res = core.residual(self._alpha, self._g, box, self._status, n, ex)
         if res > self.tol:
             self._repair(self._atoms_except(ex), box)
@@ -830,4 +850,4 @@ class SVMemory:
         if sol.residual > self.tol:
             raise SolverError(f"KKT residual {sol.residual:.3g} exceeds tol={self.tol:g} after repair")
         self._adopt(idx, sol)
-        core.exact_g(self._K, self._alpha, self._n, self.rho_, self._diag, self._g)
+        self._set_exact_g()
