@@ -305,28 +305,27 @@ def _exact_g_one(K, alpha, n, rho, diag, i):
 
 @njit(cache=True)
 def _first_crossing(K, S, m, c, s, beta0, w, alpha, rho, diag, g, rate_g, status, frozen, n, skip, eps, err, g_err,
-                    crossing, best_t, kind, j):
+                    best_t, kind, j):
     """The earliest bound atom whose g rises to 0 or reserve atom whose g falls to 0, if before ``best_t``.
 
     ``rate_g`` and ``g`` are within ``err`` and ``g_err`` of their fp64 values (the rates come from the
-    single-precision rows; ``err`` = 0 means they are exact, as with an empty margin set). A lower bound on
-    every atom's crossing time is formed from them first, without branches (that loop vectorises; the atoms'
-    statuses and signs are in no order a branch predictor could follow); each atom whose bound does not rule
-    it out is then re-evaluated from the fp64 kernel (its rate and its g recomputed from the coefficients,
-    both written back) and decided exactly, so the event found is the one the fp64 path meets. Ties as in the
-    fp64 scan: a bound atom wins, then the lowest index; a strict comparison keeps any earlier kind.
+    single-precision rows; ``err`` = 0 means they are exact, as with an empty margin set). Each atom is first
+    tested against a lower bound on its crossing time formed from them (without a division, and without
+    branches on its status and sign, which follow no order a branch predictor could learn); the few whose
+    bound does not rule them out are re-evaluated from the fp64 kernel (rate and g recomputed from the
+    coefficients, both written back) and decided exactly, so the event found is the one the fp64 path meets.
+    Ties as in the fp64 scan: a bound atom wins, then the lowest index; a strict comparison keeps any earlier
+    kind.
     """
+    lim = best_t * (1.0 + 1e-12)
     for i in range(n):
         r = rate_g[i]
         st = status[i]
-        up = st == BOUND and r + err > eps
-        down = st == RESERVE and r - err < -eps
+        up = (st == BOUND) & (r + err > eps)
+        down = (st == RESERVE) & (r - err < -eps)
         num = max((-g[i] if up else g[i]) - g_err, 0.0)
-        den = r + err if up else (err - r if down else 1.0)
-        crossing[i] = num / den if (up or down) and not frozen[i] else math.inf
-    for i in range(n):
-        lower = crossing[i]
-        if lower == math.inf or lower > best_t * (1.0 + 1e-12) or i == skip:
+        den = r + err if up else err - r  # > 0 for an atom that moves towards 0
+        if not ((up | down) & (num <= lim * den) & ~frozen[i]) or i == skip:
             continue
         r = _exact_rate(K, S, m, c, s, beta0, w, i) if err > 0.0 else rate_g[i]
         gi = _exact_g_one(K, alpha, n, rho, diag, i)
@@ -340,6 +339,7 @@ def _first_crossing(K, S, m, c, s, beta0, w, alpha, rho, diag, g, rate_g, status
             continue
         if t < best_t or (t == best_t and rank < kind):
             best_t, kind, j = t, rank, i
+            lim = best_t * (1.0 + 1e-12)
     return best_t, kind, j
 
 
@@ -395,7 +395,6 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     frozen = np.zeros(n, dtype=np.bool_)
     c_frozen = False
     rate_g = np.empty(n)
-    crossing = np.empty(n)
     margin_rows = np.arange(n)  # KS32's rows, in the margin set's order
     for _ in range(20 * n + 100):
         m = ints[0]
@@ -450,7 +449,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
                 if t < best_t:
                     best_t, kind, j = max(t, 0.0), 3, i
         best_t, kind, j = _first_crossing(K, S, m, c, s, beta[0], w, alpha, rho, diag, g, rate_g, status, frozen, n,
-                                          skip, eps, err, g_err, crossing, best_t, kind, j)
+                                          skip, eps, err, g_err, best_t, kind, j)
         if kind == -1:
             if m == 0 and s < 0:
                 # Every other atom is at a bound: feasibility (checked before the sweep) says their boxes hold
