@@ -530,26 +530,21 @@ def _bordered_residual(KSS, m, rhs, u):
 
 @njit(cache=True)
 def _refine(KSS, R, m, rhs, u):
-    """Iterative refinement of u ~ M^-1 rhs in place; returns the size of the last residual seen.
+    """Iterative refinement of u ~ M^-1 rhs in place; returns the residual rhs - M u of the refined u.
 
     One step suffices for a well-conditioned margin set; near-duplicate keys need a few more. Stops at a
-    residual at rounding level (``_RESIDUAL_ROUNDING``, left as it is), when the residual no longer shrinks, or
-    after correcting one already below 1e-14.
+    residual at rounding level (``_RESIDUAL_ROUNDING``, left as it is) or when the residual no longer shrinks.
     """
+    resid = _bordered_residual(KSS, m, rhs, u)
     last = math.inf
-    size = math.inf
     for _ in range(_REFINE_STEPS):
-        resid = _bordered_residual(KSS, m, rhs, u)
         size = np.abs(resid).max()
-        if size <= _RESIDUAL_ROUNDING:
-            return 0.0
-        if size >= last:
+        if size <= _RESIDUAL_ROUNDING or size >= last:
             break
         last = size
         u += _matvec(R, m + 1, resid)
-        if size <= 1e-14:
-            return 0.0
-    return size
+        resid = _bordered_residual(KSS, m, rhs, u)
+    return resid
 
 
 @njit(cache=True)
@@ -559,18 +554,23 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
     inverse is rebuilt once when that does not converge), moving margin atoms that sit on a bound to that
     bound's set, until none is left.
 
-    Returns rho (meaningless when the margin set ends empty: the caller then sets the midpoint).
+    Returns (rho, resid, moved): rho (meaningless when the margin set ends empty: the caller then sets the
+    midpoint), the bordered system's residual at the end state (length |S| + 1: the sum constraint's, then the
+    margin atoms' -g) and sum |d a| over the coefficients it changed.
     """
     refactored = False
+    moved = 0.0
     while True:
         for i in range(n):
             if i == exclude:
                 continue
-            if status[i] == BOUND:
-                alpha[i] = box[i]
-            elif status[i] == RESERVE:
-                alpha[i] = 0.0
+            st = status[i]
+            on_bound = box[i] if st == BOUND else 0.0
+            if (st == BOUND or st == RESERVE) and alpha[i] != on_bound:  # rare: a sweep leaves them there
+                moved += abs(alpha[i] - on_bound)
+                alpha[i] = on_bound
         m = ints[0]
+        resid = np.zeros(m + 1)
         if m > 0:
             E = np.empty(n, dtype=np.int64)
             n_e = 0
@@ -596,30 +596,31 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
                     u[a + 1] = alpha[S[a]]
             else:
                 u = _matvec(R, m + 1, rhs)
-            size = _refine(KSS, R, m, rhs, u)
-            if size > _REFINE_TOL and not refactored:
+            resid = _refine(KSS, R, m, rhs, u)
+            if np.abs(resid).max() > _REFINE_TOL and not refactored:
                 # The maintained inverse has drifted too far for refinement to converge (ill-conditioned
                 # margin sets): rebuild it from K and solve again.
                 guards[_UNCONVERGED] += 1
                 refactor(K, S, KSS, ints, R, guards)
                 refactored = True
                 u = _matvec(R, m + 1, rhs)
-                _refine(KSS, R, m, rhs, u)
+                resid = _refine(KSS, R, m, rhs, u)
             rho = u[0]
             for a in range(m):
+                moved += abs(u[a + 1] - alpha[S[a]])
                 alpha[S[a]] = u[a + 1]
-        moved = False
+        snapped = False
         a = 0
         while a < ints[0]:
             i = S[a]
             if alpha[i] <= BOUNDARY_SNAP or alpha[i] >= box[i] - BOUNDARY_SNAP:
                 status[i] = RESERVE if alpha[i] <= BOUNDARY_SNAP else BOUND
                 shrink(K, S, KSS, KS32, ints, R, guards, n, a, refactor_every, r_cap)
-                moved = True
+                snapped = True
             else:
                 a += 1
-        if not moved:
-            return rho
+        if not snapped:
+            return rho, resid, moved
 
 
 @njit(cache=True)
@@ -630,69 +631,54 @@ def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, 
 
     ``g`` is within ``g_err`` of the fp64 g of the coefficients on entry (inf: not known). Recomputing every g
     is a pass over the active atoms' fp64 kernel rows, as much memory traffic as a sweep step, and the residual
-    needs no such pass: the margin atoms' g are computed exactly from K_SS and the bound atoms' rows
-    (``_margin_g``), every other atom whose maintained g lies within the bound of its wrong side of 0 is
-    re-evaluated from its kernel row (``_refresh_near``), and the rest are on their right side by the bound.
-    The bound grows by what the polish moved (|d rho| + 2 k(x, x) sum |d a|: |K_ij| <= k(x, x) for a kernel
-    with constant diagonal); every g is recomputed when it passes ``_G_RESYNC`` or too many atoms are near.
+    needs no such pass: the polish's final bordered residual is the sum constraint's and the margin atoms' g,
+    the polish leaves every coefficient within its box (bound and reserve ones on it, margin ones strictly
+    inside), every other atom whose maintained g lies within the bound of its wrong side of 0 is re-evaluated
+    from its kernel row (``_refresh_near``), and the rest are on their right side by the bound. The bound grows
+    by what the polish moved (|d rho| + 2 k(x, x) sum |d a|: |K_ij| <= k(x, x) for a kernel with constant
+    diagonal); every g is recomputed when it passes ``_G_RESYNC`` or too many atoms are near.
 
     Returns (rho, residual, g_err); with an empty margin set rho is not pinned by the system and (nan, nan, nan)
     is returned: the caller sets the midpoint rho and recomputes g.
     """
-    before = alpha[:n].copy()
     rho_before = rho
-    rho = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho)
-    if ints[0] == 0:
+    rho, resid, moved = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag,
+                               refactor_every, r_cap, rho)
+    m = ints[0]
+    if m == 0:
         return math.nan, math.nan, math.nan
-    moved = 0.0
-    for i in range(n):
-        moved += abs(alpha[i] - before[i])
     g_err += abs(rho - rho_before) + 2.0 * diag * moved  # inf (never nan) when rho_before was not known
-    if not g_err <= _G_RESYNC or not _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err):
-        exact_g(K, alpha, n, rho, diag, g)
-        g_err = 0.0
-    else:
-        _margin_g(K, KSS, S, ints[0], alpha, status, n, exclude, rho, diag, g)
-    return rho, residual(alpha, g, box, status, n, exclude), g_err
-
-
-@njit(cache=True)
-def _margin_g(K, KSS, S, m, alpha, status, n, exclude, rho, diag, g):
-    """g of the margin atoms from their coefficients: K_SS a_S (contiguous rows of ``KSS``) plus the bound
-    atoms' kernel rows at S."""
-    gs = np.full(m, rho - diag)
-    for b in range(m):
-        w = 2.0 * alpha[S[b]]
-        row = KSS[b]
-        for a in range(m):
-            gs[a] += w * row[a]
-    for i in range(n):
-        if i != exclude and status[i] == BOUND:
-            w = 2.0 * alpha[i]
-            row = K[i]
+    if g_err <= _G_RESYNC:
+        worst = _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err)
+        if worst >= 0.0:
             for a in range(m):
-                gs[a] += w * row[S[a]]
-    for a in range(m):
-        g[S[a]] = gs[a]
+                g[S[a]] = -resid[a + 1]
+            return rho, max(worst, np.abs(resid).max()), g_err
+    exact_g(K, alpha, n, rho, diag, g)
+    return rho, residual(alpha, g, box, status, n, exclude), 0.0
 
 
 @njit(cache=True)
 def _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err):
     """Re-evaluate from the coefficients every reserve atom whose maintained g is below ``g_err`` and every
-    bound atom whose g is above ``-g_err`` (the others are on their side of 0 whatever their error); False,
-    with nothing changed, when there are more than ``_NEAR_EXACT`` of them."""
+    bound atom whose g is above ``-g_err`` (the others are on their side of 0 whatever their error); returns
+    their largest KKT violation (max(-g) over reserve, max(g) over bound ones, 0 if none), or -1 with nothing
+    changed when there are more than ``_NEAR_EXACT`` of them."""
     near = np.empty(_NEAR_EXACT, dtype=np.int64)
     count = 0
     for i in range(n):
         st = status[i]
-        if i != exclude and ((st == RESERVE and g[i] < g_err) or (st == BOUND and g[i] > -g_err)):
+        if ((st == RESERVE) & (g[i] < g_err) | (st == BOUND) & (g[i] > -g_err)) and i != exclude:
             if count == _NEAR_EXACT:
-                return False
+                return -1.0
             near[count] = i
             count += 1
+    worst = 0.0
     for k in range(count):
-        g[near[k]] = _exact_g_one(K, alpha, n, rho, diag, near[k])
-    return True
+        i = near[k]
+        g[i] = _exact_g_one(K, alpha, n, rho, diag, i)
+        worst = max(worst, -g[i] if status[i] == RESERVE else g[i])
+    return worst
 
 
 @njit(cache=True)
