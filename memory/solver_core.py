@@ -13,12 +13,13 @@ State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries
   be ``FREE`` (their kernel rows and columns are stale and never read for a live atom's result); g is within
   a stated bound (``g_err``) of the coefficients' fp64 g, see ``finish``;
 * ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
-* ``KSS`` (cap, cap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
-  gathering m^2 scattered entries of K);
-* ``KS32`` float32 (cap, cap): the margin atoms' kernel rows K[S[a], :n] rounded to single precision, row a for
+* ``KSS`` (mcap, mcap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
+  gathering m^2 scattered entries of K); mcap, the margin buffers' capacity, is KSS's size: a sweep whose
+  margin set would outgrow it continues in doubled buffers (``_enlarged``), which it returns;
+* ``KS32`` float32 (mcap, cap): the margin atoms' kernel rows K[S[a], :n] rounded to single precision, row a for
   S[a]. A sweep's steps locate their next event with it (see ``sweep``): half the bytes of the fp64 rows, so at
   ~1,000 atoms the margin rows stay in a core's L2 cache instead of streaming from L3 at every step;
-* ``R`` (cap + 1, cap + 1): inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block;
+* ``R`` (mcap + 1, mcap + 1): inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block;
 * ``ints`` int64 [m, updates since the last refactorisation];
 * ``guards`` int64 counters, indexed by ``GUARDS``.
 """
@@ -368,6 +369,20 @@ def _beta_with(beta, beta_j, lam, m):
 
 
 @njit(cache=True)
+def _enlarged(R, KSS, KS32, m, n, atom_cap):
+    """The margin buffers doubled (at most to the atoms' capacity), their first m (+1) rows and columns kept:
+    the margin set outgrew them mid-sweep, and the sweep goes on in these, the same path as in larger ones."""
+    mcap = min(max(2 * KSS.shape[0], m + 1), atom_cap)
+    R2 = np.zeros((mcap + 1, mcap + 1))
+    R2[:m + 1, :m + 1] = R[:m + 1, :m + 1]
+    KSS2 = np.zeros((mcap, mcap))
+    KSS2[:m, :m] = KSS[:m, :m]
+    KS32_2 = np.zeros((mcap, KS32.shape[1]), dtype=np.float32)
+    KS32_2[:m, :n] = KS32[:m, :n]
+    return R2, KSS2, KS32_2
+
+
+@njit(cache=True)
 def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, target, rho, diag, eps, rel_pivot,
           refactor_every, r_cap, beta_start, g_err):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
@@ -384,7 +399,8 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     carry the bounded error: ``g_err`` bounds it on entry (0: g is the fp64 g of the coefficients), and the
     grown bound is returned; g is recomputed from the coefficients should it pass ``_G_RESYNC``.
 
-    Returns (outcome, rho, g_err).
+    Returns (outcome, rho, g_err, R, KSS, KS32): the margin buffers are new, larger ones when the margin set
+    outgrew them.
     """
     skip = -1
     g_err += _G_SLACK
@@ -457,8 +473,8 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
                 # caller's polish verifies the result's KKT residual.
                 alpha[c] = target
                 status[c] = BOUND
-                return SWEPT_TO_TARGET, rho, g_err
-            return SWEPT_NO_EVENT, rho, g_err
+                return SWEPT_TO_TARGET, rho, g_err, R, KSS, KS32
+            return SWEPT_NO_EVENT, rho, g_err, R, KSS, KS32
 
         t = best_t
         for a in range(m):
@@ -478,7 +494,9 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
         if kind == 0:
             alpha[c] = target
             status[c] = BOUND
-            return SWEPT_TO_TARGET, rho, g_err
+            return SWEPT_TO_TARGET, rho, g_err, R, KSS, KS32
+        if (kind == 1 or kind >= 4) and ints[0] == KSS.shape[0]:
+            R, KSS, KS32 = _enlarged(R, KSS, KS32, ints[0], n, K.shape[0])
         # The next step's beta follows from this one's (O(|S|) instead of a solve with the inverse, O(|S|^2)):
         # a margin atom that leaves keeps its coefficient, so beta loses the component along that atom's column
         # of the inverse; an atom that joins moves at the rate lambda that holds its g, beta_j lambda added.
@@ -486,7 +504,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             g[c] = 0.0
             if grow(K, S, KSS, KS32, ints, R, guards, n, c, rel_pivot, refactor_every, r_cap)[0]:
                 status[c] = MARGIN
-                return SWEPT_TO_MARGIN, rho, g_err
+                return SWEPT_TO_MARGIN, rho, g_err, R, KSS, KS32
             c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
             beta_known = m > 0
         elif kind == 2 or kind == 3:
@@ -510,7 +528,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
                 frozen[j] = True
                 beta_known = m > 0
     guards[_ITER_CAP] += 1
-    return SWEPT_ITERATION_CAP, rho, g_err
+    return SWEPT_ITERATION_CAP, rho, g_err, R, KSS, KS32
 
 
 @njit(cache=True)
@@ -690,7 +708,8 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
     within ``g_err`` of the coefficients' fp64 g on entry, and g_c exact.
 
     Returns (outcome, rho, residual, g_err): the sweep's outcome (the state is unfinished unless it is
-    SWEPT_TO_TARGET or SWEPT_TO_MARGIN) and ``finish``'s rho, residual and error bound of g.
+    SWEPT_TO_TARGET or SWEPT_TO_MARGIN), ``finish``'s rho, residual and error bound of g (the sweep's when
+    unfinished), and the margin buffers R, KSS, KS32 (larger ones when the margin set outgrew them).
     """
     beta = np.zeros(0)
     if status[c] == MARGIN:
@@ -705,10 +724,10 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
             beta = _beta_without(R, m, unit, k)
         shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap)
     status[c] = DETACHED
-    outcome, rho, g_err = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, box[c], rho, diag,
-                                eps, rel_pivot, refactor_every, r_cap, beta, g_err)
+    outcome, rho, g_err, R, KSS, KS32 = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s,
+                                              box[c], rho, diag, eps, rel_pivot, refactor_every, r_cap, beta, g_err)
     if outcome != SWEPT_TO_TARGET and outcome != SWEPT_TO_MARGIN:
-        return outcome, rho, math.nan, math.nan
+        return outcome, rho, math.nan, g_err, R, KSS, KS32
     exclude = -1
     if box[c] == 0.0:
         alpha[c] = 0.0
@@ -716,7 +735,7 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
         exclude = c
     rho_end, res, g_err = finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag,
                                  refactor_every, r_cap, rho, g_err)
-    return outcome, rho_end, res, g_err
+    return outcome, rho_end, res, g_err, R, KSS, KS32
 
 
 @njit(cache=True)

@@ -31,6 +31,14 @@ from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE, kkt_residual, midpoint_r
 
 # Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
 _FEAS_SLACK = 1e-12
+_MARGIN_CAPACITY_START = 64  # margin buffers' first size when no capacity is declared (then doubled)
+
+
+def _grown(a, shape, dtype=np.float64):
+    """A zero array of ``shape`` holding ``a`` in its leading corner (a buffer grown, contents kept)."""
+    out = np.zeros(shape, dtype=dtype)
+    out[tuple(slice(0, s) for s in a.shape)] = a
+    return out
 
 
 def _atom_leaf(key, token_ids):
@@ -94,7 +102,7 @@ class _Rollback:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type, *_):
         if exc_type is not None and issubclass(exc_type, SolverError):
             mem = self.mem
             n, alpha, g, status, S, mem.rho_, mem._g_err, mem._fitted = self.saved
@@ -332,28 +340,36 @@ class SVMemory:
             return
         cap = max(16, 2 * self._cap, n) if self._cap or self.capacity is None else max(n, self.capacity)
         d = self._dim
-
-        def grow(a, shape, dtype=np.float64):
-            out = np.zeros(shape, dtype=dtype)
-            out[tuple(slice(0, s) for s in a.shape)] = a
-            return out
-
-        self._X = grow(self._X[:self._n], (cap, d)) if self._X.size else np.zeros((cap, d))
+        self._X = _grown(self._X[:self._n], (cap, d)) if self._X.size else np.zeros((cap, d))
         K = np.zeros((cap, cap))
         K[:self._n, :self._n] = self._K[:self._n, :self._n]
         self._K = K
-        self._alpha = grow(self._alpha[:self._n], (cap,))
-        self._g = grow(self._g[:self._n], (cap,))
-        self._mult = grow(self._mult[:self._n], (cap,), np.int64)
-        self._box_buf = grow(self._box_buf[:self._n], (cap,))
-        self._status = grow(self._status[:self._n], (cap,), np.int8)
-        self._seq = grow(self._seq[:self._n], (cap,), np.int64)
-        self._Sbuf = grow(self._margin(), (cap,), np.int64)
-        self._Rbuf = grow(self._kkt_inverse(), (cap + 1, cap + 1))
+        self._alpha = _grown(self._alpha[:self._n], (cap,))
+        self._g = _grown(self._g[:self._n], (cap,))
+        self._mult = _grown(self._mult[:self._n], (cap,), np.int64)
+        self._box_buf = _grown(self._box_buf[:self._n], (cap,))
+        self._status = _grown(self._status[:self._n], (cap,), np.int8)
+        self._seq = _grown(self._seq[:self._n], (cap,), np.int64)
+        self._Sbuf = _grown(self._margin(), (cap,), np.int64)
         m = int(self._ints[0])
-        self._KSS = grow(self._KSS[:m, :m], (cap, cap))
-        self._KS32 = grow(self._KS32[:m, :self._n], (cap, cap), np.float32)
+        self._KS32 = _grown(self._KS32[:m, :self._n], (self._KSS.shape[0], cap), np.float32)
         self._cap = cap
+        # A declared capacity bounds the margin set too (the pipeline's budgeted memories never grow buffers)
+        self._ensure_margin_capacity(cap if self.capacity is not None else _MARGIN_CAPACITY_START)
+
+    def _ensure_margin_capacity(self, m):
+        """Margin buffers (the bordered inverse, K_SS, the single-precision margin rows) for at least m margin
+        atoms, doubling. They are sized by the margin set, not by the atoms: at 4,096 atoms three atom-sized
+        square buffers would be ~340 MB beside the Gram matrix's 134 MB."""
+        mcap = self._KSS.shape[0]
+        if m <= mcap:
+            return
+        mcap = min(max(m, 2 * mcap), max(self._cap, m))
+        used = int(self._ints[0])
+
+        self._Rbuf = _grown(self._kkt_inverse(), (mcap + 1, mcap + 1))
+        self._KSS = _grown(self._KSS[:used, :used], (mcap, mcap))
+        self._KS32 = _grown(self._KS32[:used, :self._n], (mcap, self._cap), np.float32)
 
     def _new_atom(self, x, krow):
         """A slot for key x (a free one if any) with ``krow`` = its kernel values against slots 0..n-1."""
@@ -668,6 +684,7 @@ class SVMemory:
             mem._value_sum[slot] = np.sum([mem._tokens[t][1] for t in mem._atom_tokens[slot]], axis=0)
             mem._atom_leaf[slot] = _atom_leaf(mem._X[slot], mem._atom_tokens[slot])
         m = len(meta["S"])
+        mem._ensure_margin_capacity(m)
         mem._Sbuf[:m] = meta["S"]
         mem._Rbuf[:m + 1, :m + 1] = R[:m + 1, :m + 1]
         core.gather_margin_kernel(mem._K, mem._Sbuf, m, mem._KSS)
@@ -739,6 +756,7 @@ class SVMemory:
     def _set_margin(self, slots):
         """Make ``slots`` the margin set and refactor the inverse from K."""
         m = len(slots)
+        self._ensure_margin_capacity(m)
         self._Sbuf[:m] = slots
         self._ints[0] = m
         core.refactor(self._K, self._Sbuf, self._KSS, self._ints, self._Rbuf, self._guards)
@@ -801,7 +819,7 @@ class SVMemory:
         state (``solver_core.move_coefficient``, one compiled call)."""
         box = self._box()
         with _Rollback(self):
-            outcome, rho, res, self._g_err = core.move_coefficient(
+            outcome, rho, res, self._g_err, self._Rbuf, self._KSS, self._KS32 = core.move_coefficient(
                 self._K, self._g, self._alpha, self._status, box, self._Sbuf, self._KSS, self._KS32, self._ints,
                 self._Rbuf, self._guards, self._n, c, s, self.rho_, self._diag, self._EPS, self._REL_PIVOT,
                 self.refactor_every, self._R_CAP, self._g_err)

@@ -287,3 +287,28 @@ def test_the_maintained_g_stays_within_its_error_bound_between_operations():
     assert stale >= 50  # the decrement left g to the bound, not recomputed, in (nearly) every operation
     assert worst > 1e-3  # and the bound is not vacuous (measured: the gap reaches a visible share of it)
     assert mem.kkt_residual() <= KKT_TOL and verify_against_refit(mem).max_dev <= 1e-8
+
+
+def test_a_margin_set_that_outgrows_its_buffers_takes_the_same_path_in_larger_ones(monkeypatch):
+    """The margin buffers (inverse, K_SS, single-precision rows) are sized by the margin set and start small; a
+    sweep whose margin set outgrows them goes on in doubled ones. The path, and so every bit of the result, must
+    be the one taken in buffers large enough from the start (here they start at 2 atoms and double many times)."""
+    import memory.svmemory as svm
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((80, 3)) * 1.5
+    roomy = SVMemory(C=1 / 12, gamma=0.5, capacity=128)  # a declared capacity sizes the margin buffers too
+    monkeypatch.setattr(svm, "_MARGIN_CAPACITY_START", 2)
+    small = SVMemory(C=1 / 12, gamma=0.5)
+    for x in X:
+        roomy.add(x)
+        small.add(x)
+    assert small.state_digest() == roomy.state_digest() and small.kkt_residual() <= KKT_TOL
+    assert 2 < small._KSS.shape[0] < small._cap and len(small.partition().margin) > small._KSS.shape[0] // 2
+    for _ in range(10):
+        part = small.partition()
+        removed = sorted(part.margin | part.bound)[int(rng.integers(len(part.margin | part.bound)))]
+        key = small.key_of(removed)
+        small.remove(removed)
+        roomy.remove(removed)
+        assert small.state_digest() == roomy.state_digest()
+        check_refit(small, probes=key[None, :])
