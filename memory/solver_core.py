@@ -15,7 +15,7 @@ State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries
 * ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
 * ``KSS`` (mcap, mcap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
   gathering m^2 scattered entries of K); mcap, the margin buffers' capacity, is KSS's size: a sweep whose
-  margin set would outgrow it continues in doubled buffers (``_enlarged``), which it returns;
+  margin set would outgrow it continues in doubled buffers (``enlarged_margin_buffers``), which it returns;
 * ``KS32`` float32 (mcap, cap): the margin atoms' kernel rows K[S[a], :n] rounded to single precision, row a for
   S[a]. A sweep's steps locate their next event with it (see ``sweep``): half the bytes of the fp64 rows, so at
   ~1,000 atoms the margin rows stay in a core's L2 cache instead of streaming from L3 at every step;
@@ -369,10 +369,11 @@ def _beta_with(beta, beta_j, lam, m):
 
 
 @njit(cache=True)
-def _enlarged(R, KSS, KS32, m, n, atom_cap):
-    """The margin buffers doubled (at most to the atoms' capacity), their first m (+1) rows and columns kept:
-    the margin set outgrew them mid-sweep, and the sweep goes on in these, the same path as in larger ones."""
-    mcap = min(max(2 * KSS.shape[0], m + 1), atom_cap)
+def enlarged_margin_buffers(R, KSS, KS32, m, n, need, atom_cap):
+    """The margin buffers R, KSS, KS32 for at least ``need`` margin atoms (doubled, at most to the atoms'
+    capacity), their first m (+1) rows and columns kept. A sweep whose margin set outgrows them goes on in
+    these, the same path as in larger ones; the caller sizes them for a margin set it sets from outside."""
+    mcap = min(max(2 * KSS.shape[0], need), atom_cap)
     R2 = np.zeros((mcap + 1, mcap + 1))
     R2[:m + 1, :m + 1] = R[:m + 1, :m + 1]
     KSS2 = np.zeros((mcap, mcap))
@@ -496,7 +497,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             status[c] = BOUND
             return SWEPT_TO_TARGET, rho, g_err, R, KSS, KS32
         if (kind == 1 or kind >= 4) and ints[0] == KSS.shape[0]:
-            R, KSS, KS32 = _enlarged(R, KSS, KS32, ints[0], n, K.shape[0])
+            R, KSS, KS32 = enlarged_margin_buffers(R, KSS, KS32, ints[0], n, ints[0] + 1, K.shape[0])
         # The next step's beta follows from this one's (O(|S|) instead of a solve with the inverse, O(|S|^2)):
         # a margin atom that leaves keeps its coefficient, so beta loses the component along that atom's column
         # of the inverse; an atom that joins moves at the rate lambda that holds its g, beta_j lambda added.
@@ -707,9 +708,9 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
     to a zero box is left in the reserve set and excluded from the end state (the caller drops it). ``g`` is
     within ``g_err`` of the coefficients' fp64 g on entry, and g_c exact.
 
-    Returns (outcome, rho, residual, g_err): the sweep's outcome (the state is unfinished unless it is
-    SWEPT_TO_TARGET or SWEPT_TO_MARGIN), ``finish``'s rho, residual and error bound of g (the sweep's when
-    unfinished), and the margin buffers R, KSS, KS32 (larger ones when the margin set outgrew them).
+    Returns (outcome, rho, residual, g_err, R, KSS, KS32): the sweep's outcome (the state is unfinished unless
+    it is SWEPT_TO_TARGET or SWEPT_TO_MARGIN), ``finish``'s rho, residual and error bound of g (the sweep's when
+    unfinished), and the margin buffers (larger ones when the margin set outgrew them).
     """
     beta = np.zeros(0)
     if status[c] == MARGIN:

@@ -361,15 +361,9 @@ class SVMemory:
         """Margin buffers (the bordered inverse, K_SS, the single-precision margin rows) for at least m margin
         atoms, doubling. They are sized by the margin set, not by the atoms: at 4,096 atoms three atom-sized
         square buffers would be ~340 MB beside the Gram matrix's 134 MB."""
-        mcap = self._KSS.shape[0]
-        if m <= mcap:
-            return
-        mcap = min(max(m, 2 * mcap), max(self._cap, m))
-        used = int(self._ints[0])
-
-        self._Rbuf = _grown(self._kkt_inverse(), (mcap + 1, mcap + 1))
-        self._KSS = _grown(self._KSS[:used, :used], (mcap, mcap))
-        self._KS32 = _grown(self._KS32[:used, :self._n], (mcap, self._cap), np.float32)
+        if m > self._KSS.shape[0]:
+            self._Rbuf, self._KSS, self._KS32 = core.enlarged_margin_buffers(
+                self._Rbuf, self._KSS, self._KS32, int(self._ints[0]), self._n, m, self._cap)
 
     def _new_atom(self, x, krow):
         """A slot for key x (a free one if any) with ``krow`` = its kernel values against slots 0..n-1."""
