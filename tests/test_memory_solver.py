@@ -312,3 +312,29 @@ def test_a_margin_set_that_outgrows_its_buffers_takes_the_same_path_in_larger_on
         roomy.remove(removed)
         assert small.state_digest() == roomy.state_digest()
         check_refit(small, probes=key[None, :])
+
+
+def test_near_atoms_are_re_evaluated_exactly_or_every_g_is_left_for_a_full_recompute():
+    """``finish``'s residual re-evaluates the atoms whose maintained g is within its bound of the wrong side of 0;
+    with more of them than ``_NEAR_EXACT`` it must change nothing and ask for a full recompute (-1)."""
+    from memory import solver_core as core
+    from memory.kkt import RESERVE
+    rng = np.random.default_rng(2)
+    mem = SVMemory(C=1 / 10, gamma=0.5)
+    for x in rng.standard_normal((60, 3)):
+        mem.add(x)
+    n, exact = mem._n, mem._exact_g()
+    reserve = np.flatnonzero(mem._status[:n] == RESERVE)
+    assert len(reserve) > core._NEAR_EXACT + 1
+    g_err = 1e-3
+    g = exact.copy()
+    g[reserve[:3]] = [-5e-4, 0.0, 5e-4]  # three near atoms, their maintained g off by up to the bound
+    worst = core._refresh_near(mem._K, mem._alpha, g, mem._status, n, -1, mem.rho_, 1.0, g_err)
+    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(mem._K, mem._alpha, n, mem.rho_, 1.0, i)
+                                           for i in reserve[:3]])
+    assert worst == max(0.0, -g[reserve[:3]].min()) and worst <= 1e-15
+    g = exact.copy()
+    g[reserve[:core._NEAR_EXACT + 1]] = 0.0
+    before = g.copy()
+    assert core._refresh_near(mem._K, mem._alpha, g, mem._status, n, -1, mem.rho_, 1.0, g_err) == -1.0
+    assert np.array_equal(g, before)
