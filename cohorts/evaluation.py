@@ -174,24 +174,64 @@ def sign_flip_p(d, n_perm=10_000, seed=0):
     return float(((np.abs((flips * d).mean(1)) >= obs - 1e-15).sum() + 1) / (n_perm + 1))
 
 
-def aggregate(rows, reference="sv_certified"):
-    """Per (budget, policy, metric): mean, CI, n; and paired differences of ``reference`` vs each baseline."""
-    by = {}
+# Events-mode metrics as (label, metric) of the long rows every protocol shares.
+EVENT_METRICS = {"det_retention_end": ("clinical_criteria", "retention"),
+                 "det_retention_hour_end": ("clinical_criteria", "retention_hour_end"),
+                 "rare_recall": ("rare_items", "retention"), "certified_fraction": ("none", "certified_fraction"),
+                 "output_deviation": ("none", "output_deviation")}
+GROUP = ("protocol", "tokens", "keys", "label", "budget", "policy", "metric")
+PAIRED_METRICS = ("retention", "retrieval", "retention_hour_end", "output_deviation")
+
+
+def long_rows(rows):
+    """Per-stay rows in the long form of every protocol: stay_id, subject_id, protocol, tokens, keys, label,
+    budget, policy, metric, value. Events-mode rows of :func:`run_sweep` (one column per metric) are
+    converted; rows already long pass through."""
+    out = []
     for r in rows:
-        for m in METRICS:
-            if m in r:
-                by.setdefault((r["budget"], r["policy"], m), {})[r["stay_id"]] = r[m]
+        if "metric" in r:
+            out.append(r)
+            continue
+        base = {"stay_id": r["stay_id"], "subject_id": r.get("subject_id"), "protocol": "streaming",
+                "tokens": "events", "keys": "learned_keys" if r["policy"] == "sv_learned" else "event_keys",
+                "budget": r["budget"], "policy": r["policy"]}
+        out += [{**base, "label": label, "metric": metric, "value": float(r[m])}
+                for m, (label, metric) in EVENT_METRICS.items() if m in r]
+    return out
+
+
+def holm(p_values):
+    """Holm-Bonferroni adjusted p-values (step-down; monotone; capped at 1), in the input order."""
+    p = np.asarray(p_values, dtype=np.float64)
+    order = np.argsort(p, kind="stable")
+    adj = np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order]) if len(p) else p
+    out = np.empty_like(p)
+    out[order] = np.minimum(adj, 1.0)
+    return out.tolist()
+
+
+def aggregate(rows, reference="sv_certified"):
+    """Per (protocol, tokens, keys, label, budget, policy, metric): mean, CI, n; and paired differences of
+    ``reference`` minus each other policy on the same stays, with a sign-flip p-value and its Holm adjustment
+    over every paired comparison of the run (``p_holm``)."""
+    by = {}
+    for r in long_rows(rows):
+        by.setdefault(tuple(r[g] for g in GROUP), {})[r["stay_id"]] = r["value"]
     summary, paired = [], []
-    for (budget, pol, m), vals in sorted(by.items()):
+    for group, vals in sorted(by.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        fields = dict(zip(GROUP, group))
         v = np.array(list(vals.values()))
         lo, hi = bootstrap_ci(v)
-        summary.append({"budget": budget, "policy": pol, "metric": m, "mean": float(v.mean()), "ci_low": lo,
-                        "ci_high": hi, "n": int(len(v))})
-        if pol != reference and (budget, reference, m) in by:
-            ref = by[(budget, reference, m)]
+        summary.append({**fields, "mean": float(v.mean()), "ci_low": lo, "ci_high": hi, "n": int(len(v))})
+        ref_key = group[:5] + (reference,) + group[6:]
+        if fields["policy"] != reference and fields["metric"] in PAIRED_METRICS and ref_key in by:
+            ref = by[ref_key]
             common = sorted(set(ref) & set(vals))
             d = np.array([ref[s] - vals[s] for s in common])
             dlo, dhi = bootstrap_ci(d)
-            paired.append({"budget": budget, "baseline": pol, "metric": m, "mean_diff": float(d.mean()),
-                           "ci_low": dlo, "ci_high": dhi, "p_value": sign_flip_p(d), "n": int(len(d))})
+            paired.append({**{k: fields[k] for k in GROUP if k != "policy"}, "baseline": fields["policy"],
+                           "mean_diff": float(d.mean()), "ci_low": dlo, "ci_high": dhi,
+                           "p_value": sign_flip_p(d), "n": int(len(d))})
+    for row, p in zip(paired, holm([r["p_value"] for r in paired])):
+        row["p_holm"] = p
     return summary, paired

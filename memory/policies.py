@@ -35,6 +35,7 @@ class SVSelection:
         self.memory = memory if memory is not None else SVMemory(C=self.C, gamma=gamma, capacity=self.budget + 1)
         self.certified = 0
         self.uncertified = 0
+        self.certified_ids = []   # tokens evicted with a certificate, in eviction order (certificate expiry)
 
     def learn_one(self, key, value, token_id):
         self.memory.add(key, value, token_id=token_id)
@@ -44,6 +45,7 @@ class SVSelection:
         if victim is not None:
             self.memory.evict(victim)
             self.certified += 1
+            self.certified_ids.append(victim)
         else:
             self.memory.remove(self.memory.smallest_active())
             self.uncertified += 1

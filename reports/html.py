@@ -7,25 +7,33 @@ import json
 import math
 from pathlib import Path
 
-COLORS = {"sv_certified": "#c0392b", "sv_learned": "#e67e22", "recency": "#2c3e50", "softmax_h2o": "#2980b9", "residual_delta": "#27ae60",
-          "random": "#8e44ad"}
-TITLES = {"det_retention_end": "Deterioration hours kept at end of stay",
-          "det_retention_hour_end": "Deterioration hours held at each hour's end",
-          "rare_recall": "Rare-item recall", "output_deviation": "Readout deviation from full context",
-          "certified_fraction": "Certified evictions (SV selection)"}
+COLORS = {"sv_certified": "#c0392b", "sv_learned": "#e67e22", "recency": "#2c3e50", "softmax_h2o": "#2980b9",
+          "residual_delta": "#27ae60", "random": "#8e44ad", "h2o_proxy": "#7f8c8d"}
+LABEL_TITLES = {"composite_vitals": "Composite vital-sign deterioration (shares channels with the keys)",
+                "heldout_spo2": "Held-out SpO2 < 90 % (SpO2 removed from every selector's keys)",
+                "clinical_criteria": "Clinical deterioration criteria (MAP, lactate, vasopressor, ventilation, "
+                                     "SOFA rise, death)",
+                "rare_items": "Rare items", "none": "Label-free"}
+METRIC_TITLES = {"retention": "labelled tokens kept (fraction)", "retrieval": "retrieval of a labelled token "
+                 "(fraction)", "retention_hour_end": "held at each labelled hour's end (fraction)",
+                 "certified_fraction": "certified evictions (fraction)",
+                 "certificate_expiry": "certified evictions active in the full-history solve (fraction)",
+                 "output_deviation": "readout deviation from the full context", "budget_k": "budget k = |S u E|"}
 
 
 def _fixed_budgets(summary):
     return sorted({int(r["budget"]) for r in summary if r["budget"].isdigit()})
 
 
-def _chart(summary, metric, width=460, height=260, pad=46):
+def _chart(summary, metric, width=900, height=300, pad=60):
     budgets = _fixed_budgets(summary)
     rows = [r for r in summary if r["metric"] == metric and r["budget"].isdigit()]
     if not rows or len(budgets) < 1:
         return ""
-    ymax = max(1.0, max(r["ci_high"] for r in rows)) if metric != "output_deviation" else \
-        max(r["ci_high"] for r in rows) * 1.1 or 1.0
+    # fitted to the data: a fraction that never passes 0.25 gets a 0-0.25 axis, not 0-1
+    top = max(r["ci_high"] for r in rows if math.isfinite(r["ci_high"])) if rows else 1.0
+    ymax = min(1.0, top * 1.1) if metric != "output_deviation" else top * 1.1
+    ymax = ymax if ymax > 0 else 1.0
     lx = [math.log2(b) for b in budgets]
     x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
 
@@ -36,7 +44,7 @@ def _chart(summary, metric, width=460, height=260, pad=46):
         return height - pad + -(v / ymax) * (height - 2 * pad)
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-             f'aria-label="{html.escape(TITLES.get(metric, metric))}">',
+             f'aria-label="{html.escape(METRIC_TITLES.get(metric, metric))}">',
              f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
              f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#555"/>',
              f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#555"/>']
@@ -46,8 +54,13 @@ def _chart(summary, metric, width=460, height=260, pad=46):
         v = ymax * k / 4
         parts.append(f'<text x="{pad - 6}" y="{Y(v) + 4:.1f}" font-size="11" text-anchor="end">{v:.2g}</text>')
         parts.append(f'<line x1="{pad}" y1="{Y(v):.1f}" x2="{width - pad}" y2="{Y(v):.1f}" stroke="#eee"/>')
-    parts.append(f'<text x="{width / 2}" y="{height - 8}" font-size="11" text-anchor="middle">budget B (events)'
-                 f'</text>')
+    unit = "tokens" if rows[0].get("tokens", "events") == "hourly" else "events"
+    direction = "lower is better" if metric == "output_deviation" else "higher is better"
+    parts.append(f'<text x="{width / 2}" y="{height - 12}" font-size="12" text-anchor="middle">memory budget B '
+                 f'({unit} kept, log scale)</text>')
+    parts.append(f'<text x="14" y="{height / 2}" font-size="12" text-anchor="middle" '
+                 f'transform="rotate(-90 14 {height / 2})">{html.escape(METRIC_TITLES.get(metric, metric))}, '
+                 f'{direction}</text>')
     for pol in sorted({r["policy"] for r in rows}):
         pr = sorted((r for r in rows if r["policy"] == pol), key=lambda r: int(r["budget"]))
         color = COLORS.get(pol, "#777")
@@ -84,7 +97,7 @@ def _table(summary, paired, metric):
                 continue
             d = pidx.get((b, p))
             extra = (f"<br><small>SV&minus;this {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-                     f" p={d['p_value']:.3g}</small>") if d else ""
+                     f" p={d['p_value']:.3g} (Holm {d['p_holm']:.3g})</small>") if d else ""
             cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}</small>"
                          f"{extra}</td>")
         label = f"{b} events" if b.isdigit() else f"{float(b[1:]):.0%} of stream"
@@ -92,23 +105,108 @@ def _table(summary, paired, metric):
     return f"<table><tr><th>budget</th>{head}</tr>{''.join(body)}</table>"
 
 
+HEADLINE_BUDGET = "32"
+
+
+def _select(rows, **match):
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _groups(summary):
+    """(protocol, tokens, keys, label) groups of the run, in a fixed reading order."""
+    order = {"fixed_context": 0, "streaming": 1}
+    return sorted({(r["protocol"], r["tokens"], r["keys"], r["label"]) for r in summary},
+                  key=lambda g: (order.get(g[0], 9), g[1], g[3] == "none", g[3], g[2]))
+
+
+def _fixed_table(summary, paired):
+    """Policies x metrics of one fixed-context group, with SV's paired differences."""
+    metrics = [m for m in ("retention", "retrieval") if _select(summary, metric=m)]
+    head = "".join(f"<th>{html.escape(METRIC_TITLES[m])}</th>" for m in metrics)
+    body = []
+    for pol in sorted({r["policy"] for r in summary}, key=lambda p: (p != "sv_certified", p)):
+        cells = []
+        for m in metrics:
+            r = next(iter(_select(summary, policy=pol, metric=m)), None)
+            d = next(iter(_select(paired, baseline=pol, metric=m)), None)
+            extra = (f"<br><small>SV&minus;this {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] "
+                     f"p={d['p_value']:.3g} (Holm {d['p_holm']:.3g})</small>") if d else ""
+            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}</small>"
+                         f"{extra}</td>" if r else "<td>&ndash;</td>")
+        body.append(f"<tr><th>{html.escape(pol)}</th>{''.join(cells)}</tr>")
+    return f"<table><tr><th>policy</th>{head}</tr>{''.join(body)}</table>"
+
+
+def _headline(summary, paired):
+    """In words: at the headline budget of each protocol and label, which policy keeps most and by how much."""
+    items = []
+    for protocol, tokens, keys, label in _groups(summary):
+        if label == "none":
+            continue
+        budget = "k" if protocol == "fixed_context" else HEADLINE_BUDGET
+        rows = _select(summary, protocol=protocol, tokens=tokens, keys=keys, label=label, budget=budget,
+                       metric="retention")
+        sv = next(iter(_select(rows, policy="sv_certified")), None)
+        if not rows or sv is None:
+            continue
+        best = max(rows, key=lambda r: r["mean"])
+        others = [r for r in rows if r["policy"] != "sv_certified"]
+        rival = max(others, key=lambda r: r["mean"]) if others else None
+        text = (f"<b>{html.escape(protocol.replace('_', ' '))}, {html.escape(tokens)} tokens, "
+                f"{html.escape(label)}</b> (budget {'k = |S u E|' if budget == 'k' else budget}): ")
+        if rival is None:
+            items.append(f"<li>{text}SV keeps {sv['mean']:.3f}.</li>")
+            continue
+        d = next(iter(_select(paired, protocol=protocol, tokens=tokens, keys=keys, label=label, budget=budget,
+                              metric="retention", baseline=rival["policy"])), None)
+        verdict = "SV keeps most" if best["policy"] == "sv_certified" else \
+            f"SV does <b>not</b> win: {html.escape(best['policy'])} keeps most"
+        diff = (f"; SV&minus;{html.escape(rival['policy'])} {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, "
+                f"{d['ci_high']:+.3f}], Holm p={d['p_holm']:.3g}") if d else ""
+        items.append(f"<li>{text}{verdict}: SV {sv['mean']:.3f}, best other {html.escape(rival['policy'])} "
+                     f"{rival['mean']:.3f}{diff} (n={sv['n']} stays).</li>")
+    cert = []
+    for m in ("certified_fraction", "certificate_expiry"):
+        for r in _select(summary, protocol="streaming", budget=HEADLINE_BUDGET, metric=m):
+            cert.append(f"<li>{html.escape(METRIC_TITLES[m])} at B = {HEADLINE_BUDGET} ({html.escape(r['tokens'])} "
+                        f"tokens, keys {html.escape(r['keys'])}): {r['mean']:.3f} [{r['ci_low']:.3f}, "
+                        f"{r['ci_high']:.3f}] over {r['n']} stays with evictions</li>")
+    return (f"<section id=\"headline\"><h2>What this run found</h2><ul>{''.join(items)}</ul>"
+            f"<h3>Certification</h3><ul>{''.join(cert) or '<li>no SV evictions at this budget</li>'}</ul>"
+            f"<p><small>Retention = fraction of a stay's labelled tokens kept, averaged over stays with at least "
+            f"one; p-values are two-sided sign-flip tests, Holm-adjusted over every paired comparison in this "
+            f"report.</small></p></section>")
+
+
 def render_report(result, out_dir):
     """Write report.html and report.json into ``out_dir``; returns the HTML path.
 
-    ``result``: dict with summary, paired, cohort, metadata (see flows.jobs.evaluate_store).
+    ``result``: dict with summary and paired (rows of :func:`cohorts.evaluation.aggregate`), cohort, metadata.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary, paired = result["summary"], result["paired"]
-    policies = sorted({r["policy"] for r in summary})
     sections = []
-    for metric in ("det_retention_end", "det_retention_hour_end", "rare_recall", "output_deviation",
-                   "certified_fraction"):
-        if not any(r["metric"] == metric for r in summary):
+    for protocol, tokens, keys, label in _groups(summary):
+        match = dict(protocol=protocol, tokens=tokens, keys=keys, label=label)
+        rows, prows = _select(summary, **match), _select(paired, **match)
+        title = (f"{protocol.replace('_', ' ').capitalize()} &middot; {html.escape(tokens)} tokens &middot; "
+                 f"{html.escape(LABEL_TITLES.get(label, label))} <small>(keys: {html.escape(keys)})</small>")
+        if protocol == "fixed_context":
+            body = _fixed_table(rows, prows) if label != "none" else _table(rows, prows, "budget_k")
+            sections.append(f"<section><h2>{title}</h2>{body}</section>")
             continue
-        sections.append(f"<section><h2>{html.escape(TITLES[metric])}</h2>{_chart(summary, metric)}"
-                        f"<p>{_legend(policies)}</p>{_table(summary, paired, metric)}</section>")
-    cohort_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{v}</td></tr>"
+        parts = []
+        for metric in ("retention", "retrieval", "retention_hour_end", "certified_fraction", "certificate_expiry",
+                       "output_deviation"):
+            mrows = _select(rows, metric=metric)
+            if not mrows:
+                continue
+            series = sorted({r["policy"] for r in mrows})
+            parts.append(f"<h3>{html.escape(METRIC_TITLES[metric])}</h3>{_chart(mrows, metric)}"
+                         f"<p>{_legend(series)}</p>{_table(rows, prows, metric)}")
+        sections.append(f"<section><h2>{title}</h2>{''.join(parts)}</section>")
+    cohort_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{html.escape(str(v))}</td></tr>"
                           for k, v in result["cohort"].items())
     meta_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                         for k, v in result["metadata"].items())
@@ -118,9 +216,12 @@ def render_report(result, out_dir):
 table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;
 vertical-align:top}}small{{color:#555}}section{{margin-bottom:2em}}</style></head>
 <body><h1>Forgetful: retention vs. memory budget</h1>
-<p>Every evaluation stay's events were streamed in time order through each policy at the same budget.
-Means over stays with 95% percentile-bootstrap intervals; &ldquo;SV&minus;this&rdquo; is the paired difference
-of certified SV selection minus that policy, with a sign-flip permutation p-value. Aggregates only.</p>
+{_headline(summary, paired)}
+<p>Fixed context (the paper's protocol): per stay, the exact solve over all its tokens sets the budget
+k = |S &cup; E| and every policy keeps k. Streaming: each evaluation stay's tokens in time order through each policy
+at the same budget. Means over stays with 95% percentile-bootstrap intervals; &ldquo;SV&minus;this&rdquo; is the
+paired difference of certified SV selection minus that policy, with a sign-flip permutation p-value. Aggregates
+only.</p>
 <h2>Cohort</h2><table>{cohort_rows}</table>
 {''.join(sections)}
 <h2>Run</h2><table>{meta_rows}</table>

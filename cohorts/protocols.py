@@ -1,0 +1,217 @@
+"""The two scoring protocols on hourly token streams: the paper's fixed context, and streaming.
+
+* ``fixed_context`` (Forgetful Attention, arXiv:2607.12204, section 5; design note 8.4): per stay, the exact
+  solve over all n tokens with C = 1/(nu n); the budget is k = |S u E| of that solve and every baseline keeps
+  exactly k tokens: ``recency`` (the last k), ``random`` (seeded per stay), ``h2o_proxy`` (top k by kernel mass:
+  column sums of K with a zeroed diagonal), ``softmax_h2o`` and ``residual_delta`` (their online rules at budget
+  k). Stays with k = 0 or k >= n are dropped and counted.
+* ``streaming``: tokens in time order through each policy at budget B; SV with C = 1/(nu_B B). Besides what each
+  policy keeps: the certified fraction of SV evictions and the **certificate expiry**: the fraction of
+  certified evictions whose token is active (alpha > 0) in the exact full-history solve of the whole stay at
+  the same C (design note 2.3: a certificate holds for the solve it was issued against, not for the future).
+
+Metrics per label: ``retention`` (labelled tokens kept / labelled tokens) and ``retrieval`` (for each labelled
+token, is the argmax of the uniform RBF readout over the kept set, queried at its key, a labelled token).
+Every policy gets the same readout, so only selection differs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memory.kernels import rbf
+from memory.policies import POLICIES, SVSelection
+from memory.svmemory import SVMemory
+
+from .tokens import KEYSET_ALL, TokenTable, keyset_of, label_specs
+
+FIXED_POLICIES = ("sv_certified", "recency", "random", "h2o_proxy", "softmax_h2o", "residual_delta")
+STREAMING_POLICIES = ("sv_certified", "recency", "random", "softmax_h2o", "residual_delta")
+
+
+@dataclass
+class TokenStream:
+    """One evaluation stay's tokens in time order: keys per key set, labels, and where its memory is kept."""
+    stay_id: int
+    subject_id: int
+    keys: dict[str, np.ndarray]
+    labels: dict[str, np.ndarray]
+    label_keyset: dict[str, str]
+    memory_path: str | None = None
+
+    def __len__(self) -> int:
+        return len(next(iter(self.keys.values())))
+
+
+@dataclass(frozen=True)
+class StreamingSettings:
+    """SV streaming hyper-parameters (chosen on the training split, see :func:`choose_streaming_settings`)."""
+    nu: float = 0.5
+    sigma: float = 3.0
+    selection: list = field(default_factory=list, compare=False)   # the grid's training-split results
+
+    @property
+    def gamma(self) -> float:
+        return 1.0 / self.sigma ** 2
+
+
+def token_streams(labelled, table: TokenTable, cfg: dict, split: str = "eval") -> list[TokenStream]:
+    """Typed streams of one split's stays from labelled tokens (:func:`cohorts.tokens.label_tokens`)."""
+    specs = label_specs(cfg)
+    names = table.scaling.channels
+    keysets = {keyset_of(s) for s in specs.values()} | {KEYSET_ALL}
+    cols = {ks: [i for i, c in enumerate(names) if ks == KEYSET_ALL or ks != f"without_{c}"] for ks in keysets}
+    frame = labelled.filter(labelled["split"] == split)
+    out = []
+    for (stay_id,), g in frame.group_by(["stay_id"], maintain_order=True):
+        g = g.sort("hour")
+        keys = table.scaling.keys(g)
+        out.append(TokenStream(int(stay_id), int(g["subject_id"][0]),
+                               {ks: np.ascontiguousarray(keys[:, c]) for ks, c in cols.items()},
+                               {n: g[n].to_numpy().astype(bool) for n in specs},
+                               {n: keyset_of(s) for n, s in specs.items()}))
+    out.sort(key=lambda s: s.stay_id)
+    return out
+
+
+def exact_alpha(X: np.ndarray, C: float, gamma: float) -> np.ndarray:
+    """Coefficients of the exact fixed-C solve over all rows of ``X`` (the maintained path, so zeros are exact)."""
+    mem = SVMemory(C=C, gamma=gamma, capacity=len(X) + 1)
+    for i, x in enumerate(X):
+        mem.add(x, token_id=i)
+    a = mem.alpha_
+    return np.array([a[i] for i in range(len(X))])
+
+
+def _online_kept(name: str, X: np.ndarray, budget: int, seed: int) -> np.ndarray:
+    pol = POLICIES[name](budget, seed=seed)
+    for i, x in enumerate(X):
+        pol.learn_one(x, x, i)
+    return np.array(sorted(pol.kept()), dtype=np.int64)
+
+
+def h2o_proxy_kept(X: np.ndarray, k: int, gamma: float) -> np.ndarray:
+    """Top-k tokens by kernel mass (column sums of K with its diagonal zeroed): the paper's similarity proxy."""
+    K = rbf(X, X, gamma)
+    np.fill_diagonal(K, 0.0)
+    return np.sort(np.argsort(-K.sum(0), kind="stable")[:k])
+
+
+def fixed_context_selections(X: np.ndarray, nu: float, gamma: float, seed: int):
+    """(k, {policy: kept indices}) of one stay, or (k, None) when k = 0 or k >= n (dropped)."""
+    n = len(X)
+    alpha = exact_alpha(X, 1.0 / (nu * n), gamma)
+    sv = np.flatnonzero(alpha > 0.0)
+    k = len(sv)
+    if k == 0 or k >= n:
+        return k, None
+    return k, {"sv_certified": sv, "recency": np.arange(n - k, n),
+               "random": np.sort(np.random.default_rng(seed).choice(n, k, replace=False)),
+               "h2o_proxy": h2o_proxy_kept(X, k, gamma),
+               "softmax_h2o": _online_kept("softmax_h2o", X, k, seed),
+               "residual_delta": _online_kept("residual_delta", X, k, seed)}
+
+
+def streaming_sv(X: np.ndarray, budget: int, settings: StreamingSettings, save_to: str | None = None):
+    """SV selection streamed at ``budget``: (kept indices, {certified_fraction, certificate_expiry} where defined)."""
+    pol = SVSelection(budget, gamma=settings.gamma, nu=settings.nu)
+    for i, x in enumerate(X):
+        pol.learn_one(x, x, i)
+    if save_to is not None:
+        pol.memory.save(save_to)
+    extra = {}
+    evictions = pol.certified + pol.uncertified
+    if evictions:
+        extra["certified_fraction"] = pol.certified / evictions
+    if pol.certified_ids:
+        active = exact_alpha(X, pol.C, settings.gamma) > 0.0
+        extra["certificate_expiry"] = float(active[np.array(pol.certified_ids)].mean())
+    return np.array(sorted(pol.kept()), dtype=np.int64), extra
+
+
+def retention(kept: np.ndarray, label: np.ndarray) -> float:
+    return float(label[kept].sum() / label.sum())
+
+
+def retrieval(kept: np.ndarray, label: np.ndarray, X: np.ndarray, gamma: float) -> float:
+    if len(kept) == 0:
+        return 0.0
+    nearest = np.argmax(rbf(X[label], X[kept], gamma), axis=1)
+    return float(label[kept][nearest].mean())
+
+
+def _label_rows(stream, keyset, X, selections, gamma, base):
+    rows = []
+    for label, y in stream.labels.items():
+        if stream.label_keyset[label] != keyset or not y.any():
+            continue
+        for pol, kept in selections.items():
+            for metric, v in (("retention", retention(kept, y)), ("retrieval", retrieval(kept, y, X, gamma))):
+                rows.append({**base, "label": label, "policy": pol, "metric": metric, "value": v})
+    return rows
+
+
+def score_fixed_context(stream: TokenStream, nu: float, sigma: float) -> tuple[list[dict], dict]:
+    """Rows of the fixed-context protocol for one stay, and {keyset: k, or None where the stay is dropped}."""
+    gamma = 1.0 / sigma ** 2
+    rows, ks = [], {}
+    for keyset, X in stream.keys.items():
+        k, selections = fixed_context_selections(X, nu, gamma, seed=stream.stay_id)
+        ks[keyset] = k if selections is not None else None
+        if selections is None:
+            continue
+        base = {"stay_id": stream.stay_id, "subject_id": stream.subject_id, "protocol": "fixed_context",
+                "tokens": "hourly", "keys": keyset, "budget": "k"}
+        rows += _label_rows(stream, keyset, X, selections, gamma, base)
+        rows.append({**base, "label": "none", "policy": "sv_certified", "metric": "budget_k", "value": float(k)})
+    return rows, ks
+
+
+def score_streaming(stream: TokenStream, points: list[tuple[str, int]], settings: StreamingSettings,
+                    memory_budget: int | None = None, policies=STREAMING_POLICIES) -> list[dict]:
+    """Rows of the streaming protocol for one stay at each (label, budget) point."""
+    rows, done = [], {}
+    for keyset, X in stream.keys.items():
+        for label, budget in points:
+            if (keyset, budget) not in done:
+                selections, extra = {}, {}
+                for pol in policies:
+                    if pol == "sv_certified":
+                        save = stream.memory_path if (keyset == KEYSET_ALL and budget == memory_budget) else None
+                        selections[pol], extra = streaming_sv(X, budget, settings, save_to=save)
+                    else:
+                        selections[pol] = _online_kept(pol, X, budget, seed=stream.stay_id)
+                done[(keyset, budget)] = selections, extra
+            selections, extra = done[(keyset, budget)]
+            base = {"stay_id": stream.stay_id, "subject_id": stream.subject_id, "protocol": "streaming",
+                    "tokens": "hourly", "keys": keyset, "budget": label}
+            rows += _label_rows(stream, keyset, X, selections, settings.gamma, base)
+            rows += [{**base, "label": "none", "policy": "sv_certified", "metric": m, "value": float(v)}
+                     for m, v in extra.items()]
+    return rows
+
+
+def choose_streaming_settings(train: list[TokenStream], protocol_cfg: dict) -> StreamingSettings:
+    """nu_B and sigma from the config's grid, scored on training-split stays only (longer than the budget).
+
+    The setting with the best mean retention of ``select_label`` among those whose mean certified fraction
+    reaches ``min_certified``; the largest certified fraction when none does.
+    """
+    budget, label = int(protocol_cfg["select_budget"]), protocol_cfg["select_label"]
+    stays = [s for s in train if len(s) > budget and s.labels[label].any()]
+    results = []
+    for nu in protocol_cfg["nu_grid"]:
+        for sigma in protocol_cfg["sigma_grid"]:
+            st = StreamingSettings(float(nu), float(sigma))
+            ret, cert = [], []
+            for s in stays:
+                kept, extra = streaming_sv(s.keys[s.label_keyset[label]], budget, st)
+                ret.append(retention(kept, s.labels[label]))
+                cert.append(extra.get("certified_fraction", 1.0))
+            results.append({"nu": float(nu), "sigma": float(sigma), "train_stays": len(stays),
+                            "retention": float(np.mean(ret)) if ret else float("nan"),
+                            "certified_fraction": float(np.mean(cert)) if cert else float("nan")})
+    ok = [r for r in results if r["certified_fraction"] >= protocol_cfg["min_certified"]]
+    best = max(ok, key=lambda r: r["retention"]) if ok else max(results, key=lambda r: r["certified_fraction"])
+    return StreamingSettings(best["nu"], best["sigma"], selection=results)
