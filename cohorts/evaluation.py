@@ -137,19 +137,23 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
     return out
 
 
-def balanced_chunks(stays, n_chunks):
-    """Split stays into at most ``n_chunks`` lists of about equal work (events), heaviest list first.
+def _events(stay):
+    return len(stay["keys"])
+
+
+def balanced_chunks(stays, n_chunks, size=_events):
+    """Split stays into at most ``n_chunks`` lists of about equal work (``size``: events), heaviest list first.
 
     Longest-processing-time greedy: a round-robin split put the demo's one 40,000-event stay in a chunk that
     ran minutes after the others had finished.
     """
-    order = sorted(range(len(stays)), key=lambda i: -len(stays[i]["keys"]))
+    order = sorted(range(len(stays)), key=lambda i: -size(stays[i]))
     chunks = [[] for _ in range(max(1, min(n_chunks, len(stays))))]
     load = [0] * len(chunks)
     for i in order:
         k = load.index(min(load))
         chunks[k].append(stays[i])
-        load[k] += len(stays[i]["keys"])
+        load[k] += size(stays[i])
     return [c for _, c in sorted(zip(load, chunks), key=lambda lc: -lc[0]) if c]
 
 
@@ -235,3 +239,13 @@ def aggregate(rows, reference="sv_certified"):
     for row, p in zip(paired, holm([r["p_value"] for r in paired])):
         row["p_holm"] = p
     return summary, paired
+
+
+HEADLINE_METRICS = ("retention", "certified_fraction", "certificate_expiry")
+
+
+def headline_rows(summary):
+    """The rows a user reads first: fixed-context retention (budget k) and streaming retention and
+    certification at B = 32 and 64."""
+    return [r for r in summary if r["metric"] in HEADLINE_METRICS and r["budget"] in ("k", "32", "64")
+            and r["metric"] != "retention_hour_end"]

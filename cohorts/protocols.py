@@ -24,6 +24,7 @@ from memory.kernels import rbf
 from memory.policies import POLICIES, SVSelection
 from memory.svmemory import SVMemory
 
+from .evaluation import fraction_budget
 from .tokens import KEYSET_ALL, TokenTable, keyset_of, label_specs
 
 FIXED_POLICIES = ("sv_certified", "recency", "random", "h2o_proxy", "softmax_h2o", "residual_delta")
@@ -152,20 +153,21 @@ def _label_rows(stream, keyset, X, selections, gamma, base):
     return rows
 
 
-def score_fixed_context(stream: TokenStream, nu: float, sigma: float) -> tuple[list[dict], dict]:
-    """Rows of the fixed-context protocol for one stay, and {keyset: k, or None where the stay is dropped}."""
+def score_fixed_context(stream: TokenStream, nu: float, sigma: float) -> list[dict]:
+    """Rows of the fixed-context protocol for one stay. A stay whose k is 0 or >= n gets only a
+    ``support_size_boundary`` row (its k), so the dropped stays are counted."""
     gamma = 1.0 / sigma ** 2
-    rows, ks = [], {}
+    rows = []
     for keyset, X in stream.keys.items():
         k, selections = fixed_context_selections(X, nu, gamma, seed=stream.stay_id)
-        ks[keyset] = k if selections is not None else None
-        if selections is None:
-            continue
         base = {"stay_id": stream.stay_id, "subject_id": stream.subject_id, "protocol": "fixed_context",
-                "tokens": "hourly", "keys": keyset, "budget": "k"}
+                "tokens": "hourly", "keys": keyset, "budget": "k", "label": "none", "policy": "sv_certified"}
+        if selections is None:
+            rows.append({**base, "metric": "support_size_boundary", "value": float(k)})
+            continue
         rows += _label_rows(stream, keyset, X, selections, gamma, base)
-        rows.append({**base, "label": "none", "policy": "sv_certified", "metric": "budget_k", "value": float(k)})
-    return rows, ks
+        rows.append({**base, "metric": "budget_k", "value": float(k)})
+    return rows
 
 
 def score_streaming(stream: TokenStream, points: list[tuple[str, int]], settings: StreamingSettings,
@@ -215,3 +217,15 @@ def choose_streaming_settings(train: list[TokenStream], protocol_cfg: dict) -> S
     ok = [r for r in results if r["certified_fraction"] >= protocol_cfg["min_certified"]]
     best = max(ok, key=lambda r: r["retention"]) if ok else max(results, key=lambda r: r["certified_fraction"])
     return StreamingSettings(best["nu"], best["sigma"], selection=results)
+
+
+def score_token_streams(streams: list[TokenStream], budgets, fractions, settings: StreamingSettings,
+                        fixed: dict, memory_budget: int | None = None, fraction_cap: int | None = None) -> list[dict]:
+    """Both protocols over ``streams``: the per-stay long rows of a run (``fixed``: the fixed-context config)."""
+    rows = []
+    for s in streams:
+        rows += score_fixed_context(s, float(fixed["nu"]), float(fixed["sigma"]))
+        points = [(str(int(b)), int(b)) for b in budgets]
+        points += [(f"f{f:g}", fraction_budget(f, len(s), fraction_cap)) for f in fractions]
+        rows += score_streaming(s, points, settings, memory_budget=memory_budget)
+    return rows

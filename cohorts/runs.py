@@ -3,16 +3,22 @@
 Each persists what it produces (per-stay results and memories, cohort-memory checkpoints) and returns only
 aggregates or paths, so the flows that compose them carry no patient-level data in their results.
 """
+import json
+import shutil
 import subprocess
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import polars as pl
+
 from memory.cohort import CohortMemory
 from pipeline.keys import EventKeyer
 
-from .definitions import load_config
-from .streams import cohort_event_stream
+from .definitions import build_cohort, load_config
+from .protocols import StreamingSettings, choose_streaming_settings, token_streams
+from .streams import cohort_stream
+from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
 
 # Per-stay SV memories are persisted at this budget (or at the largest fixed budget of a run without it).
 HEADLINE_BUDGET = 64
@@ -31,33 +37,101 @@ def code_version():
     return f"{v}+{rev}" if rev else v
 
 
-def run_metadata(ws, budgets, fractions, max_events, memory_budget, seconds):
+def run_metadata(ws, budgets, fractions, max_events, memory_budget, seconds, tokens="events", settings=None,
+                 cfg=None):
+    if tokens == "hourly":
+        fixed = cfg["protocols"]["fixed_context"]
+        rules = {"tokens": "hourly patient-state tokens (cohort config: tokens)",
+                 "fixed_context_rule": f"per stay: exact solve with C = 1/(nu n), nu = {fixed['nu']}, sigma = "
+                                       f"{fixed['sigma']}; k = |S u E|; every baseline keeps k; stays with k = 0 "
+                                       f"or k >= n dropped (support_size_boundary rows)",
+                 "sv_rule": f"streaming: C = 1/(nu_B B), nu_B = {settings.nu}, sigma = {settings.sigma} (chosen on "
+                            f"the training split); evict the reserve token with the largest slack; fallback: exact "
+                            f"decrement of the smallest-coefficient active token (uncertified)",
+                 "streaming_selection_grid": settings.selection}
+    else:
+        rules = {"tokens": "raw events", "max_events_per_stay": max_events,
+                 "sv_rule": "C = 1/(0.5 B); evict the reserve token with the largest slack; fallback: exact "
+                            "decrement of the smallest-coefficient active token (uncertified)"}
     return {"data_source": str(ws.store), "code_version": code_version(), "budgets": list(budgets),
             "fractions": list(fractions),
-            "fraction_budget_rule": f"round(fraction * stay events), at least 4, at most {max(budgets)} "
-                                    "(the largest fixed budget)" if len(budgets) else "round(fraction * stay events)",
-            "per_stay_memories_budget": memory_budget,
-            "max_events_per_stay": max_events, "store_generation": ws.generation(), "seconds": round(seconds, 2),
-            "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "sv_rule": "C = 1/(0.5 B); evict the reserve token with the largest slack; fallback: exact decrement "
-                       "of the smallest-coefficient active token (uncertified)"}
+            "fraction_budget_rule": f"round(fraction * stream length), at least 4, at most {max(budgets)} "
+                                    "(the largest fixed budget)" if len(budgets) else "round(fraction * stream length)",
+            "per_stay_memories_budget": memory_budget, "store_generation": ws.generation(),
+            "seconds": round(seconds, 2), "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **rules}
 
 
-def update_cohort_memory(ws, cfg=None, budget=128, gamma=0.5):
-    """Resume the cohort memory from its latest checkpoint, feed the events it has not seen, checkpoint it."""
+TOKEN_MODES = ("hourly", "events")
+STREAM_FILE = "stream.json"          # a checkpoint's stream mode
+SCALER_FILES = {"events": "keyer.parquet", "hourly": "token_scaling.json"}
+
+
+def checkpoint_tokens(ckpt: Path) -> str:
+    """The stream mode a cohort-memory checkpoint was fed ('events' for checkpoints from before token mode)."""
+    f = Path(ckpt) / STREAM_FILE
+    return json.loads(f.read_text())["tokens"] if f.exists() else "events"
+
+
+def load_scaler(ckpt: Path):
+    """The key statistics persisted with a checkpoint: an EventKeyer or a TokenScaling."""
+    tokens = checkpoint_tokens(ckpt)
+    path = Path(ckpt) / SCALER_FILES[tokens]
+    return EventKeyer.load(path) if tokens == "events" else TokenScaling.load(path)
+
+
+def save_scaler(scaler, ckpt: Path, tokens: str) -> None:
+    scaler.save(Path(ckpt) / SCALER_FILES[tokens])
+    (Path(ckpt) / STREAM_FILE).write_text(json.dumps({"tokens": tokens}))
+
+
+def copy_checkpoint_extras(src: Path, dst: Path) -> None:
+    """Carry a checkpoint's key statistics and stream mode into a rewritten copy of it."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name not in ("memory.npz", "meta.json"):
+            shutil.copyfile(f, Path(dst) / f.name)
+
+
+def cohort_memory_gamma(cfg: dict, tokens: str) -> float:
+    """Kernel width of the cohort memory: the fixed-context sigma on token keys, 0.5 on 13-d event keys."""
+    return 1.0 / float(cfg["protocols"]["fixed_context"]["sigma"]) ** 2 if tokens == "hourly" else 0.5
+
+
+def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly"):
+    """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
+    seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones)."""
     cfg = cfg or load_config()
     ckpts = ws.checkpoints()
-    if ckpts:
-        mem = CohortMemory.load(ckpts[-1])
-        keyer = EventKeyer.load(ckpts[-1] / "keyer.parquet")
+    same = [c for c in ckpts if checkpoint_tokens(c) == tokens]
+    if same:
+        mem, scaler = CohortMemory.load(same[-1]), load_scaler(same[-1])
     else:
-        mem, keyer = CohortMemory(budget=budget, gamma=gamma), None
-    keyer, keys, ids, order, _ = cohort_event_stream(ws.store, cfg, keyer=keyer, after=mem.watermark)
+        mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
+    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, scaler=scaler, after=mem.watermark)
     mem.feed(keys, ids, order)
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)
     mem.save(target)
-    keyer.save(target / "keyer.parquet")
-    return {"checkpoint": target.name, "fed": len(ids), "tokens": mem.memory.n_tokens,
+    save_scaler(scaler, target, tokens)
+    return {"checkpoint": target.name, "tokens_mode": tokens, "fed": len(ids), "tokens": mem.memory.n_tokens,
             "certified_evictions": mem.policy.certified, "uncertified_evictions": mem.policy.uncertified}
+
+
+def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, dict]:
+    """Hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
+    the training split, and the cohort's summary (aggregates only)."""
+    cohort = build_cohort(store, cfg)
+    table = build_tokens(store, cfg, cohort=cohort)
+    labelled = label_tokens(table, store, cfg, cohort=cohort)
+    evaluation = token_streams(labelled, table, cfg, split="eval")
+    settings = choose_streaming_settings(token_streams(labelled, table, cfg, split="train"),
+                                         cfg["protocols"]["streaming"])
+    ev = labelled.filter(pl.col("split") == "eval")
+    summary = {"stays": int(cohort.height), "train_stays": int(cohort.height - len(evaluation)),
+               "eval_stays": len(evaluation), "stays_without_vitals": int(cohort.height - labelled["stay_id"].n_unique()),
+               "tokens": int(labelled.height), "eval_tokens": int(ev.height), "bin_hours": table.bin_hours,
+               "readings_by_channel": table.readings, "artifacts_by_channel": table.artifacts}
+    for name in label_specs(cfg):
+        summary[f"eval_tokens_{name}"] = int(ev[name].sum())
+        summary[f"eval_stays_with_{name}"] = int(ev.group_by("stay_id").agg(pl.col(name).any())[name].sum())
+    return evaluation, settings, summary

@@ -62,3 +62,31 @@ def cohort_event_stream(store, cfg, keyer=None, after=""):
     ev = ev.with_columns(order.alias("order_key")).filter(pl.col("order_key") > after).sort("order_key")
     ids = [token_id(s, h, o) for s, h, o in zip(ev["subject_id"], ev["event_hash"], ev["occurrence"])]
     return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()
+
+
+def cohort_token_stream(store, cfg, scaling=None, after=""):
+    """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
+
+    Returns (scaling, keys, token_ids, order_keys, subject_ids) for tokens whose order key is above ``after``;
+    ``scaling`` (training-split statistics) is fitted when none is given and then persisted with the memory.
+    Order key: the bin's start time, then the stay's smallest event hash (a content hash already in the store,
+    no identifier) to order tokens of different stays in the same hour.
+    """
+    from memory.cohort import token_id
+
+    from .tokens import build_tokens
+
+    table = build_tokens(store, cfg, scaling=scaling)
+    tok = table.tokens
+    tie = pl.col("event_hash").list.min().min().over("stay_id")
+    order = pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + tie
+    tok = tok.with_columns(order.alias("order_key")).filter(pl.col("order_key") > after).sort("order_key")
+    ids = [token_id(s, f"{st}-h{h}", 0) for s, st, h in zip(tok["subject_id"], tok["stay_id"], tok["hour"])]
+    return table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(), tok["subject_id"].to_numpy()
+
+
+def cohort_stream(store, cfg, tokens, scaler=None, after=""):
+    """The cohort memory's input in either stream mode ('hourly' tokens or raw 'events')."""
+    if tokens == "hourly":
+        return cohort_token_stream(store, cfg, scaling=scaler, after=after)
+    return cohort_event_stream(store, cfg, keyer=scaler, after=after)

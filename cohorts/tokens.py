@@ -135,7 +135,7 @@ def _readings(store, cohort: pl.DataFrame, channels: list[Channel], hours_per_bi
     seconds = (pl.col("time") - pl.col("intime")).dt.total_seconds()
     return (scan_events(store).filter(pl.col("code").is_in(spec["code"].implode()) &
                                       pl.col("numeric_value").is_not_null())
-            .select("stay_id", "time", "code", "numeric_value", "event_hash", "occurrence")
+            .select("stay_id", "time", "code", "numeric_value", "event_hash", pl.col("occurrence").cast(pl.Int64))
             .join(win, on="stay_id")
             .filter((pl.col("time") >= pl.col("intime")) & (pl.col("time") <= pl.col("outtime")))
             .join(spec.lazy(), on="code")
@@ -172,6 +172,7 @@ def build_tokens(store, cfg: dict, scaling: TokenScaling | None = None,
                             .alias("time"))
               .select("stay_id", "subject_id", "split", "hour", "time", *names, "readings", "event_hash",
                       "occurrence")
+              .sort("stay_id", "hour")
               .collect())
     if scaling is None:
         scaling = TokenScaling.fit(filled.filter(pl.col("split") == "train"), names)

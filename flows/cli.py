@@ -8,6 +8,7 @@ import sys
 # telemetry call. Users can still opt in by setting the variable themselves.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+from cohorts.evaluation import headline_rows
 from pipeline.deletion import AlreadyDeleted, DeletionFailed
 from pipeline.extract import ExtractionError, extract
 from pipeline.locking import WorkspaceLocked
@@ -35,11 +36,14 @@ def build_parser():
         p.add_argument("--source", default=None, help="MIMIC-IV directory (default: the embedded generator)")
         p.add_argument("--budgets", type=_budgets, default=(8, 16, 32, 64, 128, 256))
         p.add_argument("--fractions", type=_fractions, default=(0.05, 0.1, 0.2))
-        p.add_argument("--max-events", type=int, default=None, help="keep the first N events of each stay")
+        p.add_argument("--max-events", type=int, default=None, help="keep the first N events of each stay (events mode)")
         p.add_argument("--cohort-budget", type=int, default=128)
         p.add_argument("--task-runner", choices=("process", "thread", "dask"), default="process")
         p.add_argument("--workers", type=int, default=None)
-        p.add_argument("--encoder-steps", type=int, default=100, help="learned-key encoder training (0: off)")
+        p.add_argument("--encoder-steps", type=int, default=100,
+                       help="learned-key encoder training steps, events mode only (0: off; default 100)")
+        p.add_argument("--tokens", choices=("hourly", "events"), default="hourly",
+                       help="stream hourly patient-state tokens (default) or raw events")
     sub.choices["serve"].add_argument("--cron", default="0 3 * * *", help="cron schedule (default: daily 03:00)")
     de = sub.add_parser("delete", help="delete one patient, with a deletion certificate")
     de.add_argument("--out", default="out")
@@ -77,17 +81,17 @@ def main(argv=None):
             params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
                           max_events=args.max_events, cohort_budget=args.cohort_budget,
                           task_runner=args.task_runner, workers=args.workers,
-                          encoder_steps=args.encoder_steps)
+                          encoder_steps=args.encoder_steps, tokens=args.tokens)
             with shared_api_server():
                 if args.cmd == "serve":
                     scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
                     return 0
                 out = scheduled_run(**params)
             print(f"report: {out['report']}")
-            for r in out["result"]["summary"]:
-                if r["metric"] in ("det_retention_end", "rare_recall") and r["budget"] in ("32", "64"):
-                    print(f"  B={r['budget']:>3} {r['policy']:<15} {r['metric']:<20} {r['mean']:.3f} "
-                          f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
+            for r in headline_rows(out["result"]["summary"]):
+                label = r["label"] if r["label"] != "none" else f"keys {r['keys']}"
+                print(f"  {r['protocol']:<13} {label:<22} B={r['budget']:>3} {r['policy']:<15} {r['metric']:<18} "
+                      f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
     except AlreadyDeleted as e:
         print(f"forgetful: nothing to do: {e}")
         return 0

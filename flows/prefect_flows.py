@@ -15,8 +15,10 @@ from prefect.cache_policies import INPUTS, NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from cohorts.definitions import load_config
-from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, balanced_chunks, run_sweep
-from cohorts.runs import HEADLINE_BUDGET, run_metadata, update_cohort_memory
+from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, balanced_chunks, headline_rows,
+                                long_rows, run_sweep)
+from cohorts.protocols import score_token_streams
+from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from pipeline.deletion import delete_subject, is_suppressed
 from pipeline.extract import extract
@@ -99,22 +101,41 @@ def train_encoder_task(root, steps):
     return info
 
 
+def _memory_paths(ws, stay_ids):
+    key = load_key(ws.root)
+    ws.stay_memories.mkdir(parents=True, exist_ok=True)
+    return [str(ws.stay_memory(s, key)) for s in stay_ids]
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def prepare_streams(root, max_events):
     from memory.encoder import EventEncoder
     ws = Workspace(root)
     encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
     streams, cohort = evaluation_streams(ws.store, load_config(), max_events=max_events, encoder=encoder)
-    key = load_key(ws.root)
-    ws.stay_memories.mkdir(parents=True, exist_ok=True)
-    for s in streams:
-        s["memory_path"] = str(ws.stay_memory(s["stay_id"], key))
+    for s, path in zip(streams, _memory_paths(ws, [s["stay_id"] for s in streams])):
+        s["memory_path"] = path
     return streams, cohort
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def prepare_token_streams_task(root):
+    ws = Workspace(root)
+    streams, settings, cohort = prepare_token_streams(ws.store, load_config())
+    for s, path in zip(streams, _memory_paths(ws, [s.stay_id for s in streams])):
+        s.memory_path = path
+    return streams, settings, cohort
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def score_chunk(streams, budgets, fractions, memory_budget):
     return run_sweep(streams, budgets=budgets, fractions=fractions, workers=1, memory_budget=memory_budget)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def score_token_chunk(streams, budgets, fractions, settings, memory_budget):
+    return score_token_streams(streams, budgets, fractions, settings, load_config()["protocols"]["fixed_context"],
+                               memory_budget=memory_budget, fraction_cap=max(budgets) if budgets else None)
 
 
 @task(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
@@ -132,8 +153,8 @@ def render_task(result, root):
 
 
 @task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def cohort_memory_task(root, budget):
-    info = update_cohort_memory(Workspace(root), budget=budget)
+def cohort_memory_task(root, budget, tokens):
+    info = update_cohort_memory(Workspace(root), budget=budget, tokens=tokens)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
                           info["tokens"])
     return info
@@ -151,31 +172,43 @@ def ingest(root, source=None):
 
 
 @flow(name="forgetful-evaluate")
-def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None, chunks=None):
-    """Budget sweep over the evaluation stays, parallel over chunks of stays on the flow's task runner."""
+def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None, chunks=None,
+             tokens="hourly"):
+    """Both protocols over the evaluation stays' hourly tokens (``tokens='hourly'``), or the streaming budget
+    sweep over their raw events ('events'); parallel over chunks of stays on the flow's task runner."""
     t0 = time.perf_counter()
     ws = Workspace(root)
-    streams, cohort = prepare_streams(str(ws.root), max_events)
-    parts = balanced_chunks(streams, chunks or (os.cpu_count() or 1) * 4)
+    n_chunks = chunks or (os.cpu_count() or 1) * 4
     memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else max(budgets)
-    futures = score_chunk.map(parts, budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
-                              memory_budget=unmapped(memory_budget))
-    rows = [r for f in futures for r in f.result()]
+    common = dict(budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
+                  memory_budget=unmapped(memory_budget))
+    settings = None
+    if tokens == "hourly":
+        streams, settings, cohort = prepare_token_streams_task(str(ws.root))
+        futures = score_token_chunk.map(balanced_chunks(streams, n_chunks, size=len), settings=unmapped(settings),
+                                        **common)
+    else:
+        streams, cohort = prepare_streams(str(ws.root), max_events)
+        futures = score_chunk.map(balanced_chunks(streams, n_chunks), **common)
+    rows = long_rows([r for f in futures for r in f.result()])
     save_results(rows, str(ws.root))
     summary, paired = aggregate(rows)
-    metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0)
-    get_run_logger().info("scored %d evaluation stays at %d budgets", len(streams), len(budgets) + len(fractions))
+    metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0,
+                            tokens=tokens, settings=settings, cfg=load_config())
+    get_run_logger().info("scored %d evaluation stays (%s) at %d budgets", len(streams), tokens,
+                          len(budgets) + len(fractions))
     return {"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata}
 
 
 @flow(name="forgetful-report")
 def report(root, result):
     path = render_task(result, str(Workspace(root).root))
-    headline = [{"budget": r["budget"], "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
+    headline = [{"protocol": r["protocol"], "tokens": r["tokens"], "label": r["label"], "budget": r["budget"],
+                 "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
                  "ci": f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]", "n": r["n"]}
-                for r in result["summary"] if r["budget"] in ("32", "64") and
-                r["metric"] in ("det_retention_end", "rare_recall", "certified_fraction")]
-    create_table_artifact(key="forgetful-headline", table=headline, description="Retention at B = 32 and 64")
+                for r in headline_rows(result["summary"])]
+    create_table_artifact(key="forgetful-headline", table=headline,
+                          description="Fixed-context retention (budget k) and streaming at B = 32 and 64")
     create_markdown_artifact(key="forgetful-report", markdown=f"Report written to `{path}` "
                              f"(cohort: {result['cohort']}).", description="Forgetful HTML report")
     return path
@@ -184,24 +217,29 @@ def report(root, result):
 @flow(name="forgetful-scheduled-run")
 def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None,
                   cohort_budget=128, lock_wait_seconds=600.0, task_runner="process", workers=None,
-                  encoder_steps=100):
+                  encoder_steps=100, tokens="hourly"):
     """ingest -> (train the key encoder) -> evaluate -> cohort memory -> report, holding the workspace lock
     (deletions wait for it).
 
     ``task_runner``: where per-stay scoring runs, 'process' (local pool), 'thread' or 'dask'.
-    ``encoder_steps``: training steps of the learned-key encoder (0: no ``sv_learned`` policy row).
+    ``encoder_steps``: training steps of the learned-key encoder (0: no ``sv_learned`` policy row); it learns
+    event keys, so it is trained only when ``tokens='events'``.
+    ``tokens``: 'hourly' patient-state tokens (default) or raw 'events'.
     """
+    if tokens not in TOKEN_MODES:
+        raise ValueError(f"tokens must be one of {TOKEN_MODES}, got {tokens!r}")
     ws = Workspace(root)
     with workspace_lock(ws.root, wait_seconds=lock_wait_seconds, purpose="scheduled run"):
         recover(ws.root)
         ingest_info = ingest(str(ws.root), source)
-        encoder_info = train_encoder_task(str(ws.root), encoder_steps) if encoder_steps else None
+        encoder_info = train_encoder_task(str(ws.root), encoder_steps) if encoder_steps and tokens == "events" \
+            else None
         result = evaluate.with_options(task_runner=make_task_runner(task_runner, workers))(
-            str(ws.root), budgets=tuple(budgets), fractions=tuple(fractions), max_events=max_events)
+            str(ws.root), budgets=tuple(budgets), fractions=tuple(fractions), max_events=max_events, tokens=tokens)
         result["metadata"]["data_source"] = str(source or "embedded generator (deterministic)")
         result["metadata"]["ingest"] = ingest_info
         result["metadata"]["learned_keys_encoder"] = encoder_info
-        result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget)
+        result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget, tokens)
         path = report(str(ws.root), result)
     return {"report": path, "result": result}
 

@@ -28,7 +28,6 @@ import polars as pl
 from memory.cohort import CohortMemory, subject_of
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
-from pipeline.keys import EventKeyer
 from reports.certificates import (canonical, keyed_hash, load_key, next_entry, read_ledger,
                                   render_certificate_html)
 
@@ -200,7 +199,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                     verification[c.name] = _verify(cm, removed_keys, budget_refit_probes)
                     staged_dir = txn.stage(c)
                     cm.save(staged_dir)
-                    (staged_dir / "keyer.parquet").write_bytes((c / "keyer.parquet").read_bytes())
+                    copy_checkpoint_extras(c, staged_dir)
             else:
                 memories, verification, digests = _replay(ws, ckpts, sid, txn, budget_refit_probes)
             removed["cohort_memory_tokens"] = memories
@@ -237,8 +236,9 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                                  else "cohort memory re-streamed as if the patient had never been seen"),
                 "removed": removed, "memory_digests": digests, "verification": verification,
                 "residual_scan": residual, "artifacts_marked_stale": stale,
-                "aggregates_kept": ("per-code value statistics used to standardise event keys (means and standard "
-                                    "deviations over the training split) and aggregate report numbers"),
+                "aggregates_kept": ("per-code value statistics used to standardise event keys and per-channel "
+                                    "token statistics (training-split medians, means and standard deviations) "
+                                    "persisted with the cohort memory, and aggregate report numbers"),
                 "code_version": _code_version(), "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "seconds": round(time.perf_counter() - t0, 3),
                 "ledger_prev": ledger[-1]["entry_hash"] if ledger else "0" * 64,
@@ -275,6 +275,11 @@ def _code_version():
     return code_version()
 
 
+def copy_checkpoint_extras(src, dst):
+    from cohorts.runs import copy_checkpoint_extras as copy
+    copy(src, dst)
+
+
 def _verify(cm, removed_keys, n_jitter):
     if not cm.memory.is_feasible:
         return {"passed": True, "note": "memory below ceil(1/C) tokens: no solution to verify", "tokens":
@@ -290,33 +295,38 @@ def _verify(cm, removed_keys, n_jitter):
 def _replay(ws, ckpts, sid, txn, n_jitter):
     """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
     from cohorts.definitions import load_config
-    from cohorts.streams import cohort_event_stream
+    from cohorts.runs import checkpoint_tokens, load_scaler
+    from cohorts.streams import cohort_stream
 
     if not ckpts:
         return {}, {}, {}
     latest = CohortMemory.load(ckpts[-1])
-    keyer = EventKeyer.load(ckpts[-1] / "keyer.parquet")
-    _, K, ids, order, subjects = cohort_event_stream(ws.store, load_config(), keyer=keyer)
-    # the checkpoints that saw the subject: their watermark is at or past the subject's first event
+    tokens = checkpoint_tokens(ckpts[-1])
+    _, K, ids, order, subjects = cohort_stream(ws.store, load_config(), tokens, scaler=load_scaler(ckpts[-1]))
+    # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
+    # checkpoint of the other stream mode is never a replay base
     first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)
-    clean = [c for c in ckpts if first is None or CohortMemory.load(c).watermark < first]
+    clean = [c for c in ckpts if checkpoint_tokens(c) == tokens and (first is None or
+                                                                      CohortMemory.load(c).watermark < first)]
     base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
                                                                    gamma=latest.gamma, nu=latest.policy.nu)
     before = latest.memory.state_digest()
     sel = [i for i, (o, s) in enumerate(zip(order, subjects))
            if int(s) != sid and base.watermark < o <= latest.watermark]
     base.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
-    tainted = [c for c in ckpts if c not in clean]
+    # the other mode's checkpoints are history: removed only where they hold the subject
+    tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) == tokens or
+                                                       CohortMemory.load(c).tokens_of(sid))]
     for c in tainted:
         txn.delete(c)
-    target = tainted[-1] if tainted else ckpts[-1]
+    target = ckpts[-1]
     staged = txn.stage(target)
     base.save(staged)
-    (staged / "keyer.parquet").write_bytes((ckpts[-1] / "keyer.parquet").read_bytes())
+    copy_checkpoint_extras(ckpts[-1], staged)
     removed_tokens = len(latest.tokens_of(sid))
     verification = {target.name: _verify(base, None, n_jitter)}
     verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
-    verification[target.name]["checkpoints_removed"] = [c.name for c in tainted[:-1]]
+    verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
     return ({target.name: removed_tokens}, verification,
             {target.name: {"before": before, "after": base.memory.state_digest()}})
 

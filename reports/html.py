@@ -137,6 +137,14 @@ def _fixed_table(summary, paired):
     return f"<table><tr><th>policy</th>{head}</tr>{''.join(body)}</table>"
 
 
+def _fixed_budget(rows):
+    k = next(iter(_select(rows, metric="budget_k")), None)
+    dropped = next(iter(_select(rows, metric="support_size_boundary")), None)
+    kept = (f"budget k = |S &cup; E| of the exact solve: mean {k['mean']:.1f} tokens [{k['ci_low']:.1f}, "
+            f"{k['ci_high']:.1f}] over {k['n']} stays" if k else "no stay scored")
+    return f"<p>{kept}; dropped (k = 0 or k &ge; n): {dropped['n'] if dropped else 0} stays.</p>"
+
+
 def _headline(summary, paired):
     """In words: at the headline budget of each protocol and label, which policy keeps most and by how much."""
     items = []
@@ -193,7 +201,7 @@ def render_report(result, out_dir):
         title = (f"{protocol.replace('_', ' ').capitalize()} &middot; {html.escape(tokens)} tokens &middot; "
                  f"{html.escape(LABEL_TITLES.get(label, label))} <small>(keys: {html.escape(keys)})</small>")
         if protocol == "fixed_context":
-            body = _fixed_table(rows, prows) if label != "none" else _table(rows, prows, "budget_k")
+            body = _fixed_table(rows, prows) if label != "none" else _fixed_budget(rows)
             sections.append(f"<section><h2>{title}</h2>{body}</section>")
             continue
         parts = []

@@ -20,7 +20,7 @@ from pipeline.workspace import Workspace
 from reports.certificates import verify_certificate
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20)
+RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20, tokens="events")
 
 
 @pytest.fixture(scope="session")
