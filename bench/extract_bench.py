@@ -86,6 +86,22 @@ def main(argv=None):
     print(f"synthesised {args.events:,} lab+chart rows over {args.patients} patients in {t_gen:.1f} s ({work})")
     print(f"extracted {res['events']:,} events in {wall:.1f} s: {res['events'] / wall:,.0f} events/s, "
           f"peak RSS {peak_mb:,.0f} MiB (DuckDB memory_limit {args.memory_limit})")
+    # hourly tokens of every cohort stay from that store (Polars, lazy), in its own process for its peak RSS
+    code = (f"import json,sys,time; sys.path.insert(0, {str(ROOT)!r}); from cohorts.definitions import load_config; "
+            f"from cohorts.tokens import build_tokens; t = time.perf_counter(); "
+            f"tt = build_tokens({str(out)!r}, load_config()); "
+            f"import resource; print(json.dumps({{'tokens': tt.tokens.height, "
+            f"'readings': sum(tt.readings.values()), 'seconds': time.perf_counter() - t, "
+            f"'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        return proc.returncode
+    tok = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"hourly tokens: {tok['tokens']:,} tokens from {tok['readings']:,} channel readings in "
+          f"{tok['seconds']:.1f} s: {tok['tokens'] / tok['seconds']:,.0f} tokens/s, "
+          f"{tok['seconds'] / tok['tokens'] * 1e6:.1f} us per token, {tok['readings'] / tok['seconds']:,.0f} "
+          f"readings/s, peak RSS {tok['rss_mb']:,.0f} MiB")
     return 0
 
 

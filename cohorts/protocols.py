@@ -85,7 +85,7 @@ def exact_alpha(X: np.ndarray, C: float, gamma: float) -> np.ndarray:
     return np.array([a[i] for i in range(len(X))])
 
 
-def _online_kept(name: str, X: np.ndarray, budget: int, seed: int) -> np.ndarray:
+def online_kept(name: str, X: np.ndarray, budget: int, seed: int) -> np.ndarray:
     pol = POLICIES[name](budget, seed=seed)
     for i, x in enumerate(X):
         pol.learn_one(x, x, i)
@@ -110,8 +110,8 @@ def fixed_context_selections(X: np.ndarray, nu: float, gamma: float, seed: int):
     return k, {"sv_certified": sv, "recency": np.arange(n - k, n),
                "random": np.sort(np.random.default_rng(seed).choice(n, k, replace=False)),
                "h2o_proxy": h2o_proxy_kept(X, k, gamma),
-               "softmax_h2o": _online_kept("softmax_h2o", X, k, seed),
-               "residual_delta": _online_kept("residual_delta", X, k, seed)}
+               "softmax_h2o": online_kept("softmax_h2o", X, k, seed),
+               "residual_delta": online_kept("residual_delta", X, k, seed)}
 
 
 def streaming_sv(X: np.ndarray, budget: int, settings: StreamingSettings, save_to: str | None = None):
@@ -183,7 +183,7 @@ def score_streaming(stream: TokenStream, points: list[tuple[str, int]], settings
                         save = stream.memory_path if (keyset == KEYSET_ALL and budget == memory_budget) else None
                         selections[pol], extra = streaming_sv(X, budget, settings, save_to=save)
                     else:
-                        selections[pol] = _online_kept(pol, X, budget, seed=stream.stay_id)
+                        selections[pol] = online_kept(pol, X, budget, seed=stream.stay_id)
                 done[(keyset, budget)] = selections, extra
             selections, extra = done[(keyset, budget)]
             base = {"stay_id": stream.stay_id, "subject_id": stream.subject_id, "protocol": "streaming",

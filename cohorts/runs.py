@@ -128,7 +128,8 @@ def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, di
                                          cfg["protocols"]["streaming"])
     ev = labelled.filter(pl.col("split") == "eval")
     summary = {"stays": int(cohort.height), "train_stays": int(cohort.height - len(evaluation)),
-               "eval_stays": len(evaluation), "stays_without_vitals": int(cohort.height - labelled["stay_id"].n_unique()),
+               "eval_stays": len(evaluation),
+               "stays_without_vitals": int(cohort.height - labelled["stay_id"].n_unique()),
                "tokens": int(labelled.height), "eval_tokens": int(ev.height), "bin_hours": table.bin_hours,
                "readings_by_channel": table.readings, "artifacts_by_channel": table.artifacts}
     for name in label_specs(cfg):

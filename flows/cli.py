@@ -36,7 +36,8 @@ def build_parser():
         p.add_argument("--source", default=None, help="MIMIC-IV directory (default: the embedded generator)")
         p.add_argument("--budgets", type=_budgets, default=(8, 16, 32, 64, 128, 256))
         p.add_argument("--fractions", type=_fractions, default=(0.05, 0.1, 0.2))
-        p.add_argument("--max-events", type=int, default=None, help="keep the first N events of each stay (events mode)")
+        p.add_argument("--max-events", type=int, default=None,
+                       help="keep the first N events of each stay (events mode)")
         p.add_argument("--cohort-budget", type=int, default=128)
         p.add_argument("--task-runner", choices=("process", "thread", "dask"), default="process")
         p.add_argument("--workers", type=int, default=None)

@@ -66,7 +66,8 @@ def render_certificate_html(cert):
         val = json.dumps(v, indent=1, default=str) if isinstance(v, (dict, list)) else str(v)
         rows.append(f"<tr><th>{html.escape(k)}</th><td><pre>{html.escape(val)}</pre></td></tr>")
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate "
-            f"{cert.get('certificate_id')}</title><style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}"
+            f"{cert.get('certificate_id')}</title>"
+            f"<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}"
             f"td,th{{border:1px solid #ccc;padding:4px;text-align:left;vertical-align:top}}table{{border-collapse:"
             f"collapse}}pre{{margin:0;white-space:pre-wrap}}</style></head><body><h1>Deletion certificate</h1>"
             f"<p>Subject (keyed hash): <code>{html.escape(cert.get('subject_hash', ''))}</code>. Mode: "

@@ -12,8 +12,8 @@ from cohorts.evaluation import aggregate, holm
 from cohorts.protocols import (StreamingSettings, exact_alpha, fixed_context_selections, h2o_proxy_kept,
                                retrieval, score_fixed_context, streaming_sv, token_streams)
 from cohorts.tokens import build_tokens, label_tokens
-from memory.refit import sklearn_fit
 from memory.kernels import rbf
+from memory.refit import sklearn_fit
 
 T0 = datetime(2150, 1, 1, 8, 0, 0)
 VITAL = {"hr": "CHART//220045", "sbp": "CHART//220179", "dbp": "CHART//220180", "rr": "CHART//220210",
