@@ -137,6 +137,13 @@ def _fixed_table(summary, paired):
     return f"<table><tr><th>policy</th>{head}</tr>{''.join(body)}</table>"
 
 
+def _cell(v):
+    """A table cell: a mapping (counts per channel, ...) as one 'name: value' per line, not a repr."""
+    if isinstance(v, dict):
+        return "<br>".join(f"{html.escape(str(k))}: {html.escape(str(x))}" for k, x in v.items())
+    return html.escape(str(v))
+
+
 def _fixed_budget(rows):
     k = next(iter(_select(rows, metric="budget_k")), None)
     dropped = next(iter(_select(rows, metric="support_size_boundary")), None)
@@ -214,7 +221,7 @@ def render_report(result, out_dir):
             parts.append(f"<h3>{html.escape(METRIC_TITLES[metric])}</h3>{_chart(mrows, metric)}"
                          f"<p>{_legend(series)}</p>{_table(rows, prows, metric)}")
         sections.append(f"<section><h2>{title}</h2>{''.join(parts)}</section>")
-    cohort_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{html.escape(str(v))}</td></tr>"
+    cohort_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{_cell(v)}</td></tr>"
                           for k, v in result["cohort"].items())
     meta_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                         for k, v in result["metadata"].items())

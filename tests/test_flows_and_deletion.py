@@ -290,3 +290,67 @@ def test_cli_run_without_a_configured_server_shares_one_and_exits(tmp_path):
     assert proc.returncode == 0, log[-3000:]
     assert (tmp_path / "ws" / "report.html").exists()
     assert log.count("Starting temporary server") == 1, log[-3000:]
+
+
+@pytest.fixture(scope="session")
+def token_workspace(prefect_server, source, tmp_path_factory):
+    from flows.prefect_flows import scheduled_run
+    root = tmp_path_factory.mktemp("ws-hourly")
+    out = scheduled_run(root=str(root), source=str(source), budgets=(8, 16), fractions=(0.1,), cohort_budget=24)
+    return Workspace(root), out
+
+
+@pytest.mark.slow
+def test_token_mode_run_reports_both_protocols(token_workspace):
+    from cohorts.runs import checkpoint_tokens
+    ws, out = token_workspace
+    data = json.loads(ws.report_json.read_text())
+    rows = data["summary"]
+    assert {r["protocol"] for r in rows} == {"fixed_context", "streaming"} and {r["tokens"] for r in rows} == {"hourly"}
+    assert {"composite_vitals", "heldout_spo2", "clinical_criteria"} <= {r["label"] for r in rows}
+    assert {r["budget"] for r in rows if r["protocol"] == "fixed_context"} == {"k"}
+    assert {r["budget"] for r in rows if r["protocol"] == "streaming"} == {"8", "16", "f0.1"}
+    assert {r["keys"] for r in rows if r["label"] == "heldout_spo2"} == {"without_spo2"}
+    assert "h2o_proxy" in {r["policy"] for r in rows} and "sv_learned" not in {r["policy"] for r in rows}
+    assert not ws.encoder.exists()   # the learned-key encoder learns event keys: not trained in token mode
+    assert [checkpoint_tokens(c) for c in ws.checkpoints()] == ["hourly"]
+    assert any(ws.stay_memories.glob("*.npz"))
+    assert data["metadata"]["streaming_selection_grid"] and "nu_B" in data["metadata"]["sv_rule"]
+    text = ws.report_html.read_text()
+    assert '<section id="headline">' in text
+    for sid in pl.read_parquet(ws.results)["subject_id"].unique().to_list():
+        assert str(sid) not in text
+
+
+def _subject_in_cohort_memory(ws):
+    cm = CohortMemory.load(ws.checkpoints()[-1])
+    for sid in pl.read_parquet(ws.results)["subject_id"].unique().sort().to_list():
+        if cm.tokens_of(sid):
+            return sid
+    pytest.fail("no evaluation subject has tokens in the cohort memory")
+
+
+@pytest.mark.slow
+def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
+    from cohorts.definitions import load_config
+    from cohorts.runs import load_scaler
+    from cohorts.streams import cohort_stream
+    ws = copy_ws(token_workspace[0], tmp_path / "dec")
+    sid = _subject_in_cohort_memory(ws)
+    cert, path = delete_subject(ws, sid)
+    assert verify_certificate(path) == [] and cert["residual_scan"]["rows_remaining"] == 0
+    assert all(v["passed"] for v in cert["verification"].values())
+    assert sum(cert["removed"]["cohort_memory_tokens"].values()) > 0
+    assert not any(scan_subject(ws, sid)[0].values())
+
+    ws = copy_ws(token_workspace[0], tmp_path / "rep")
+    ckpt = ws.checkpoints()[-1]
+    _, K, ids, order, subj = cohort_stream(ws.store, load_config(), "hourly", scaler=load_scaler(ckpt))
+    cert, path = delete_subject(ws, sid, mode="replay")
+    assert cert["mode"] == "replay" and verify_certificate(path) == []
+    fresh = CohortMemory(budget=24, gamma=CohortMemory.load(ckpt).gamma)
+    keep = [i for i, s in enumerate(subj) if int(s) != sid]
+    fresh.feed(K[keep], [ids[i] for i in keep], [order[i] for i in keep])
+    replayed = CohortMemory.load(ws.checkpoints()[-1])
+    assert replayed.memory.state_digest() == fresh.memory.state_digest() and not replayed.tokens_of(sid)
+    assert (ws.checkpoints()[-1] / "token_scaling.json").exists()
