@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
 
 CHART_ITEMS = [220045, 220179, 220180, 220052, 220210, 220277, 223762]
+# per chart item: a physiological centre and half-range, so the hourly-token channels get plausible readings
+CHART_CENTRE = [85, 120, 65, 80, 18, 96, 37.0]
+CHART_SPREAD = [30, 30, 15, 15, 8, 4, 1.5]
 LAB_ITEMS = [50813, 50912, 51265, 50885, 50971, 50983, 51301, 51222]
 
 
@@ -35,6 +38,8 @@ def synthesize(src, n_events, patients):
     n_chart = int(n_events * 0.8)
     n_lab = n_events - n_chart
     chart_items = "[" + ",".join(map(str, CHART_ITEMS)) + "]"
+    centres = "[" + ",".join(map(str, CHART_CENTRE)) + "]"
+    spreads = "[" + ",".join(map(str, CHART_SPREAD)) + "]"
     lab_items = "[" + ",".join(map(str, LAB_ITEMS)) + "]"
     con.execute(f"CREATE TABLE s AS SELECT row_number() OVER () - 1 AS k, * FROM {stays}")
     n_stays = con.execute("SELECT count(*) FROM s").fetchall()[0][0]
@@ -43,7 +48,10 @@ def synthesize(src, n_events, patients):
                strftime(s.intime + to_seconds(CAST((i // {n_stays}) * 37 % greatest(1, epoch(s.outtime) -
                         epoch(s.intime)) AS BIGINT)), '%Y-%m-%d %H:%M:%S') AS charttime,
                NULL AS storetime, {chart_items}[1 + i % {len(CHART_ITEMS)}] AS itemid,
-               round(50 + (hash(i) % 1000) / 10.0, 2) AS value, round(50 + (hash(i) % 1000) / 10.0, 2) AS valuenum,
+               round({centres}[1 + i % {len(CHART_ITEMS)}] + {spreads}[1 + i % {len(CHART_ITEMS)}]
+                     * ((hash(i) % 1000) / 500.0 - 1), 2) AS value,
+               round({centres}[1 + i % {len(CHART_ITEMS)}] + {spreads}[1 + i % {len(CHART_ITEMS)}]
+                     * ((hash(i) % 1000) / 500.0 - 1), 2) AS valuenum,
                'unit' AS valueuom, 0 AS warning
         FROM range({n_chart}) t(i) JOIN s ON s.k = i % {n_stays})
         TO '{src}/icu/chartevents.csv.gz' (HEADER, COMPRESSION gzip)""")
