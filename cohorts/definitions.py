@@ -33,6 +33,40 @@ def load_config(path=None):
     return cfg
 
 
+WORKSPACE_CONFIG = "config.yaml"
+
+
+def resolve_config(name_or_path: str | None) -> Path:
+    """A shipped config by name (``cohorts/config/NAME.yaml``) or a YAML path; None: the default."""
+    if name_or_path is None:
+        return DEFAULT_CONFIG
+    shipped = DEFAULT_CONFIG.parent / f"{name_or_path}.yaml"
+    path = shipped if shipped.exists() else Path(name_or_path)
+    if not path.is_file():
+        names = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("*.yaml"))
+        raise CohortConfigError(f"cohort config {name_or_path!r} is neither a shipped config ({', '.join(names)}) "
+                                f"nor a YAML file")
+    return path
+
+
+def install_config(root, name_or_path: str | None) -> dict:
+    """Validate a cohort config and make it the workspace's (``WS/config.yaml``), which every later step of
+    the workspace reads (runs, deletions); without one the workspace keeps the config it has."""
+    path = resolve_config(name_or_path)
+    cfg = load_config(path)
+    target = Path(root) / WORKSPACE_CONFIG
+    if name_or_path is not None or not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    return cfg
+
+
+def workspace_config(root) -> dict:
+    """The workspace's cohort config (the default when the workspace has none yet)."""
+    path = Path(root) / WORKSPACE_CONFIG
+    return load_config(path if path.exists() else None)
+
+
 def is_eval_subject(subject_id, cfg):
     """Stable subject-level split: a keyed hash of the subject id, never Python's salted hash()."""
     h = hashlib.sha256(f"{cfg['split']['salt']}:{int(subject_id)}".encode()).digest()

@@ -15,7 +15,7 @@ import polars as pl
 from memory.cohort import CohortMemory
 from pipeline.keys import EventKeyer
 
-from .definitions import build_cohort, load_config
+from .definitions import build_cohort, workspace_config
 from .protocols import StreamingSettings, choose_streaming_settings, token_streams
 from .streams import cohort_stream
 from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
@@ -96,10 +96,14 @@ def cohort_memory_gamma(cfg: dict, tokens: str) -> float:
     return 1.0 / float(cfg["protocols"]["fixed_context"]["sigma"]) ** 2 if tokens == "hourly" else 0.5
 
 
-def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly"):
+FEED_BLOCK = 2048   # tokens fed between progress reports
+
+
+def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None):
     """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
-    seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones)."""
-    cfg = cfg or load_config()
+    seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).
+    ``on_fed(n)`` is told every block of tokens fed (progress)."""
+    cfg = cfg or workspace_config(ws.root)
     ckpts = ws.checkpoints()
     same = [c for c in ckpts if checkpoint_tokens(c) == tokens]
     if same:
@@ -107,7 +111,11 @@ def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly"):
     else:
         mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
     scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, scaler=scaler, after=mem.watermark)
-    mem.feed(keys, ids, order)
+    for lo in range(0, len(ids), FEED_BLOCK):
+        hi = lo + FEED_BLOCK
+        mem.feed(keys[lo:hi], ids[lo:hi], order[lo:hi])
+        if on_fed is not None:
+            on_fed(len(ids[lo:hi]))
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)

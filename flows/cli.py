@@ -1,17 +1,17 @@
-"""The ``forgetful`` command line: every command runs the same Prefect flows a deployment schedules."""
+"""The forgetful command line: every command runs the same Prefect flows a deployment schedules.
+
+Argument parsing imports nothing heavy, so ``--help`` and ``--version`` answer at once; bad input found before
+a flow would start (a missing source, an unknown or already-deleted subject, an invalid cohort config) is
+reported in one line with exit 2 (0 for "already deleted") and starts no Prefect server.
+"""
 import argparse
 import json
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-# The machines this runs on are often offline: Prefect's server would log an error for every failed
-# telemetry call. Users can still opt in by setting the variable themselves.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-from cohorts.evaluation import headline_rows
-from pipeline.deletion import AlreadyDeleted, DeletionFailed
-from pipeline.extract import ExtractionError, extract
-from pipeline.locking import WorkspaceLocked
+DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256)
+DEFAULT_FRACTIONS = (0.05, 0.1, 0.2)
 
 
 def _budgets(text):
@@ -22,84 +22,147 @@ def _fractions(text):
     return tuple(float(f) for f in text.split(",") if f)
 
 
+def _version():
+    try:
+        return version("forgetful")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser():
-    ap = argparse.ArgumentParser(prog="forgetful", description=__doc__)
+    ap = argparse.ArgumentParser(prog="forgetful", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"forgetful {_version()}")
+    ap.add_argument("--verbose", action="store_true", help="show Prefect's per-task log lines on the console")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("extract", help="extract a MIMIC-IV directory into a parquet event store")
-    ex.add_argument("--source", required=True)
-    ex.add_argument("--out", required=True)
-    ex.add_argument("--memory-limit", default="4GB")
-    for name, help_ in (("run", "main job: ingest -> budget sweep -> cohort memory -> HTML report"),
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ex = sub.add_parser("extract", help="extract a MIMIC-IV directory into a parquet event store", formatter_class=fmt)
+    ex.add_argument("--source", required=True, help="MIMIC-IV directory (hosp/, icu/)")
+    ex.add_argument("--out", required=True, help="event store folder (created or updated incrementally)")
+    ex.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (spills to disk past it)")
+    for name, help_ in (("run", "main job: ingest -> both protocols -> cohort memory -> HTML report"),
                         ("serve", "register the scheduled run with a cron schedule and serve it")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, formatter_class=fmt)
         p.add_argument("--out", default="out", help="workspace folder")
-        p.add_argument("--source", default=None, help="MIMIC-IV directory (default: the embedded generator)")
-        p.add_argument("--budgets", type=_budgets, default=(8, 16, 32, 64, 128, 256))
-        p.add_argument("--fractions", type=_fractions, default=(0.05, 0.1, 0.2))
-        p.add_argument("--max-events", type=int, default=None,
-                       help="keep the first N events of each stay (events mode)")
-        p.add_argument("--cohort-budget", type=int, default=128)
-        p.add_argument("--task-runner", choices=("process", "thread", "dask"), default="process")
-        p.add_argument("--workers", type=int, default=None)
-        p.add_argument("--encoder-steps", type=int, default=100,
-                       help="learned-key encoder training steps, events mode only (0: off; default 100)")
+        p.add_argument("--source", default=None,
+                       help="MIMIC-IV directory (default: the embedded deterministic MIMIC-IV-shaped data)")
+        p.add_argument("--config", default=None,
+                       help="cohort config: a shipped name (default) or a YAML path; it becomes the workspace's "
+                            "(default: the workspace's own, else the shipped default)")
         p.add_argument("--tokens", choices=("hourly", "events"), default="hourly",
-                       help="stream hourly patient-state tokens (default) or raw events")
-    sub.choices["serve"].add_argument("--cron", default="0 3 * * *", help="cron schedule (default: daily 03:00)")
-    de = sub.add_parser("delete", help="delete one patient, with a deletion certificate")
-    de.add_argument("--out", default="out")
-    de.add_argument("--subject-id", type=int, required=True)
-    de.add_argument("--mode", choices=("decrement", "replay"), default="decrement")
+                       help="stream hourly patient-state tokens or raw events")
+        p.add_argument("--budgets", type=_budgets, default=DEFAULT_BUDGETS,
+                       help="fixed memory budgets, comma-separated")
+        p.add_argument("--fractions", type=_fractions, default=DEFAULT_FRACTIONS,
+                       help="budgets as fractions of each stream, comma-separated (capped at the largest budget)")
+        p.add_argument("--max-events", type=int, default=None,
+                       help="keep the first N events of each stay (events mode; default: all)")
+        p.add_argument("--cohort-budget", type=int, default=128, help="budget of the cohort memory")
+        p.add_argument("--task-runner", choices=("process", "thread", "dask"), default="process",
+                       help="where per-stay scoring runs")
+        p.add_argument("--workers", type=int, default=None, help="task-runner workers (default: the CPU count)")
+        p.add_argument("--encoder-steps", type=int, default=100,
+                       help="learned-key encoder training steps, events mode only (0: off)")
+        p.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit of the extraction")
+    sub.choices["serve"].add_argument("--cron", default="0 3 * * *", help="cron schedule")
+    de = sub.add_parser("delete", help="delete one patient, with a deletion certificate", formatter_class=fmt)
+    de.add_argument("--out", default="out", help="workspace folder")
+    de.add_argument("--subject-id", type=int, required=True, help="the patient's subject_id")
+    de.add_argument("--mode", choices=("decrement", "replay"), default="decrement",
+                    help="cohort memory: exact decrement, or re-stream without the patient")
     de.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a running scheduled run")
-    ve = sub.add_parser("verify", help="re-check a deletion certificate and the whole ledger chain")
-    ve.add_argument("certificate")
-    ve.add_argument("--ledger", default=None)
+    ve = sub.add_parser("verify", help="re-check a deletion certificate and the whole ledger chain",
+                        formatter_class=fmt)
+    ve.add_argument("certificate", help="path of a certificate (WS/certificates/NNNNNN.json)")
+    ve.add_argument("--ledger", default=None, help="ledger path (default: the certificate's workspace ledger)")
     return ap
+
+
+def _quiet_prefect(verbose):
+    # Offline machines: Prefect's server would log an error for every failed telemetry call (users can opt in).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not verbose:
+        # Prefect's INFO lines off the console; they still reach the API (the UI shows them).
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+def _preflight(args):
+    """Checks that need no server: raise the error a flow would otherwise fail with."""
+    if args.cmd in ("run", "serve"):
+        from cohorts.definitions import load_config, resolve_config
+        from pipeline.extract import check_source
+        if args.source is not None:
+            check_source(args.source)
+        load_config(resolve_config(args.config))
+    elif args.cmd == "delete":
+        from pipeline.deletion import check_subject
+        from pipeline.workspace import Workspace
+        check_subject(Workspace(args.out), args.subject_id)
+
+
+def _print_headline(summary):
+    from cohorts.evaluation import headline_rows
+    for r in headline_rows(summary):
+        label = r["label"] if r["label"] != "none" else f"keys {r['keys']}"
+        print(f"  {r['protocol']:<13} {label:<22} B={r['budget']:>3} {r['policy']:<15} {r['metric']:<18} "
+              f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
+
+
+def _run(args):
+    if args.cmd == "extract":
+        from pipeline.extract import extract
+        s = extract(args.source, args.out, memory_limit=args.memory_limit)
+        print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
+                          "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
+        return 0
+    if args.cmd == "verify":
+        from reports.certificates import verify_certificate
+        problems = verify_certificate(args.certificate, args.ledger)
+        for p in problems:
+            print(f"FAILED: {p}")
+        if problems:
+            return 1
+        print(f"ok: {args.certificate} and the ledger chain verify")
+        return 0
+    _preflight(args)
+    from flows import progress
+    from flows.prefect_flows import delete_patient, scheduled_run, shared_api_server
+    progress.configure(True)
+    if args.cmd == "delete":
+        with shared_api_server():
+            out = delete_patient(args.out, args.subject_id, mode=args.mode, wait_seconds=args.wait)
+        print(f"certificate: {out['certificate']}" if "certificate" in out else
+              f"forgetful: nothing to do: {out['already_deleted']}")
+        return 0
+    params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
+                  max_events=args.max_events, cohort_budget=args.cohort_budget, task_runner=args.task_runner,
+                  workers=args.workers, encoder_steps=args.encoder_steps, tokens=args.tokens, config=args.config,
+                  memory_limit=args.memory_limit)
+    with shared_api_server():
+        if args.cmd == "serve":
+            scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
+            return 0
+        out = scheduled_run(**params)
+    print(f"report: {out['report']}")
+    _print_headline(out["result"]["summary"])
+    return 0
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    _quiet_prefect(args.verbose)
+    from cohorts.definitions import CohortConfigError
+    from pipeline.deletion import AlreadyDeleted, DeletionFailed
+    from pipeline.extract import ExtractionError
+    from pipeline.locking import WorkspaceLocked
     try:
-        if args.cmd == "extract":
-            s = extract(args.source, args.out, memory_limit=args.memory_limit)
-            print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
-                              "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
-        elif args.cmd == "verify":
-            from reports.certificates import verify_certificate
-            problems = verify_certificate(args.certificate, args.ledger)
-            for p in problems:
-                print(f"FAILED: {p}")
-            if problems:
-                return 1
-            print(f"ok: {args.certificate} and the ledger chain verify")
-        elif args.cmd == "delete":
-            from flows.prefect_flows import delete_patient, shared_api_server
-            with shared_api_server():
-                path = delete_patient(args.out, args.subject_id, mode=args.mode, wait_seconds=args.wait)
-            print(f"certificate: {path}")
-        else:
-            from flows.prefect_flows import scheduled_run, shared_api_server
-            params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
-                          max_events=args.max_events, cohort_budget=args.cohort_budget,
-                          task_runner=args.task_runner, workers=args.workers,
-                          encoder_steps=args.encoder_steps, tokens=args.tokens)
-            with shared_api_server():
-                if args.cmd == "serve":
-                    scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
-                    return 0
-                out = scheduled_run(**params)
-            print(f"report: {out['report']}")
-            for r in headline_rows(out["result"]["summary"]):
-                label = r["label"] if r["label"] != "none" else f"keys {r['keys']}"
-                print(f"  {r['protocol']:<13} {label:<22} B={r['budget']:>3} {r['policy']:<15} {r['metric']:<18} "
-                      f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
+        return _run(args)
     except AlreadyDeleted as e:
         print(f"forgetful: nothing to do: {e}")
         return 0
-    except (ExtractionError, ValueError, WorkspaceLocked, DeletionFailed, KeyError) as e:
+    except (ExtractionError, CohortConfigError, WorkspaceLocked, DeletionFailed, ValueError, KeyError) as e:
         print(f"forgetful: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

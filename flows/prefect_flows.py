@@ -10,24 +10,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
+from prefect.futures import as_completed
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
-from cohorts.definitions import load_config
+from cohorts.definitions import CohortConfigError, install_config, workspace_config
 from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, balanced_chunks, headline_rows,
                                 long_rows, run_sweep)
 from cohorts.protocols import score_token_streams
 from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
-from pipeline.deletion import delete_subject, is_suppressed
-from pipeline.extract import extract
+from pipeline.deletion import AlreadyDeleted, delete_subject, is_suppressed
+from pipeline.extract import ExtractionError, UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
 from pipeline.transaction import recover
 from pipeline.workspace import Workspace
 from reports.certificates import load_key
 from reports.html import render_report
+
+from . import progress
 
 TASK_RUNNERS = ("process", "thread", "dask")
 
@@ -75,22 +78,34 @@ def make_task_runner(kind="process", workers=None):
     raise ValueError(f"task runner must be one of {TASK_RUNNERS}, got {kind!r}")
 
 
-@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def extract_task(source, store, root):
-    s = extract(source, store, suppressed=is_suppressed(Workspace(root)))
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Retry what can succeed on retry (I/O, a busy file), never bad input: it fails the same way again."""
+    try:
+        state.result()
+    except (ExtractionError, CohortConfigError, UnknownSubjectError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
+def extract_task(source, store, root, memory_limit="4GB"):
+    s = extract(source, store, memory_limit=memory_limit, suppressed=is_suppressed(Workspace(root)))
     get_run_logger().info("extracted %d new events (%d in store, %d suppressed rows)", s.new_events,
                           s.total_events, s.suppressed_rows)
     return {"new_events": s.new_events, "total_events": s.total_events, "suppressed_rows": s.suppressed_rows,
             "quarantined": {t: v.get("quarantined_total", 0) for t, v in s.tables.items()}}
 
 
-@task(retries=1, cache_policy=NO_CACHE)
+@task(retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def train_encoder_task(root, steps):
     """Learned event keys: train the encoder on the training split's windows (CUDA when present)."""
     from memory.encoder import train_encoder, training_windows
     ws = Workspace(root)
-    (codes, feats, flags), _, _ = training_windows(ws.store, load_config())
-    encoder, history = train_encoder(codes, feats, flags, steps=steps)
+    (codes, feats, flags), _, _ = training_windows(ws.store, workspace_config(ws.root))
+    with progress.step(f"training the key encoder ({steps} steps)"):
+        encoder, history = train_encoder(codes, feats, flags, steps=steps)
     ws.encoder.parent.mkdir(parents=True, exist_ok=True)
     encoder.save(ws.encoder)
     k = max(1, len(history) // 10)
@@ -112,7 +127,7 @@ def prepare_streams(root, max_events):
     from memory.encoder import EventEncoder
     ws = Workspace(root)
     encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
-    streams, cohort = evaluation_streams(ws.store, load_config(), max_events=max_events, encoder=encoder)
+    streams, cohort = evaluation_streams(ws.store, workspace_config(ws.root), max_events=max_events, encoder=encoder)
     for s, path in zip(streams, _memory_paths(ws, [s["stay_id"] for s in streams])):
         s["memory_path"] = path
     return streams, cohort
@@ -121,7 +136,8 @@ def prepare_streams(root, max_events):
 @task(cache_policy=NO_CACHE, persist_result=False)
 def prepare_token_streams_task(root):
     ws = Workspace(root)
-    streams, settings, cohort = prepare_token_streams(ws.store, load_config())
+    with progress.step("building hourly tokens, labels, and the streaming setting (training split)"):
+        streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root))
     for s, path in zip(streams, _memory_paths(ws, [s.stay_id for s in streams])):
         s.memory_path = path
     return streams, settings, cohort
@@ -133,9 +149,9 @@ def score_chunk(streams, budgets, fractions, memory_budget):
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def score_token_chunk(streams, budgets, fractions, settings, memory_budget):
-    return score_token_streams(streams, budgets, fractions, settings, load_config()["protocols"]["fixed_context"],
-                               memory_budget=memory_budget, fraction_cap=max(budgets) if budgets else None)
+def score_token_chunk(streams, budgets, fractions, settings, fixed, memory_budget):
+    return score_token_streams(streams, budgets, fractions, settings, fixed, memory_budget=memory_budget,
+                               fraction_cap=max(budgets) if budgets else None)
 
 
 @task(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
@@ -152,23 +168,26 @@ def render_task(result, root):
     return str(render_report(result, root))
 
 
-@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def cohort_memory_task(root, budget, tokens):
-    info = update_cohort_memory(Workspace(root), budget=budget, tokens=tokens)
+    with progress.step("cohort memory", unit="tokens") as advance:
+        info = update_cohort_memory(Workspace(root), budget=budget, tokens=tokens, on_fed=advance)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
                           info["tokens"])
     return info
 
 
 @flow(name="forgetful-ingest")
-def ingest(root, source=None):
+def ingest(root, source=None, memory_limit="4GB"):
     """Extract new data into the workspace's store (the embedded generator's data when no source is given)."""
     ws = Workspace(root)
     if source is None:
         if not ws.source.exists():
-            generate(ws.source, GeneratorConfig())
+            with progress.step("generating the embedded MIMIC-IV-shaped data"):
+                generate(ws.source, GeneratorConfig())
         source = ws.source
-    return extract_task(str(source), str(ws.store), str(ws.root))
+    with progress.step(f"extracting {source}"):
+        return extract_task(str(source), str(ws.store), str(ws.root), memory_limit)
 
 
 @flow(name="forgetful-evaluate")
@@ -185,16 +204,24 @@ def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_eve
     settings = None
     if tokens == "hourly":
         streams, settings, cohort = prepare_token_streams_task(str(ws.root))
-        futures = score_token_chunk.map(balanced_chunks(streams, n_chunks, size=len), settings=unmapped(settings),
-                                        **common)
+        parts = balanced_chunks(streams, n_chunks, size=len)
+        fixed = workspace_config(ws.root)["protocols"]["fixed_context"]
+        futures = score_token_chunk.map(parts, settings=unmapped(settings), fixed=unmapped(fixed), **common)
     else:
         streams, cohort = prepare_streams(str(ws.root), max_events)
-        futures = score_chunk.map(balanced_chunks(streams, n_chunks), **common)
-    rows = long_rows([r for f in futures for r in f.result()])
+        parts = balanced_chunks(streams, n_chunks)
+        futures = score_chunk.map(parts, **common)
+    stays_of = {f.task_run_id: len(p) for f, p in zip(futures, parts)}
+    per_stay = []
+    with progress.step("scoring evaluation stays", total=len(streams), unit="stays") as advance:
+        for f in as_completed(futures):
+            per_stay += f.result()
+            advance(stays_of[f.task_run_id])
+    rows = long_rows(per_stay)
     save_results(rows, str(ws.root))
     summary, paired = aggregate(rows)
     metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0,
-                            tokens=tokens, settings=settings, cfg=load_config())
+                            tokens=tokens, settings=settings, cfg=workspace_config(ws.root))
     get_run_logger().info("scored %d evaluation stays (%s) at %d budgets", len(streams), tokens,
                           len(budgets) + len(fractions))
     return {"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata}
@@ -217,7 +244,7 @@ def report(root, result):
 @flow(name="forgetful-scheduled-run")
 def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None,
                   cohort_budget=128, lock_wait_seconds=600.0, task_runner="process", workers=None,
-                  encoder_steps=100, tokens="hourly"):
+                  encoder_steps=100, tokens="hourly", config=None, memory_limit="4GB"):
     """ingest -> (train the key encoder) -> evaluate -> cohort memory -> report, holding the workspace lock
     (deletions wait for it).
 
@@ -225,13 +252,16 @@ def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DE
     ``encoder_steps``: training steps of the learned-key encoder (0: no ``sv_learned`` policy row); it learns
     event keys, so it is trained only when ``tokens='events'``.
     ``tokens``: 'hourly' patient-state tokens (default) or raw 'events'.
+    ``config``: a shipped cohort config's name or a YAML path; it becomes the workspace's config (None: keep
+    the workspace's, or the default). ``memory_limit``: DuckDB's limit for the extraction.
     """
     if tokens not in TOKEN_MODES:
         raise ValueError(f"tokens must be one of {TOKEN_MODES}, got {tokens!r}")
     ws = Workspace(root)
     with workspace_lock(ws.root, wait_seconds=lock_wait_seconds, purpose="scheduled run"):
         recover(ws.root)
-        ingest_info = ingest(str(ws.root), source)
+        install_config(ws.root, config)
+        ingest_info = ingest(str(ws.root), source, memory_limit)
         encoder_info = train_encoder_task(str(ws.root), encoder_steps) if encoder_steps and tokens == "events" \
             else None
         result = evaluate.with_options(task_runner=make_task_runner(task_runner, workers))(
@@ -246,8 +276,14 @@ def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DE
 
 @flow(name="forgetful-delete-patient")
 def delete_patient(root, subject_id, mode="decrement", wait_seconds=60.0):
-    cert, path = delete_subject(Workspace(root), subject_id, mode=mode, wait_seconds=wait_seconds)
+    """Returns {"certificate": path}, or {"already_deleted": message}: deleting twice is an expected outcome
+    (the flow run completes), not a failure."""
+    try:
+        cert, path = delete_subject(Workspace(root), subject_id, mode=mode, wait_seconds=wait_seconds)
+    except AlreadyDeleted as e:
+        get_run_logger().info("nothing to do: %s", e)
+        return {"already_deleted": str(e)}
     get_run_logger().info("deletion certificate %s issued (mode %s)", Path(path).name, mode)
     create_markdown_artifact(key="forgetful-deletion", markdown=f"Certificate `{Path(path).name}` (subject hash "
                              f"`{cert['subject_hash'][:16]}...`, mode {mode}).")
-    return str(path)
+    return {"certificate": str(path)}

@@ -81,6 +81,29 @@ def scan_subject(ws, subject_id):
     return found, stay_ids
 
 
+def check_subject(ws, subject_id):
+    """What the workspace holds of the subject: (counts per place, per-stay memory files). Read-only, so the
+    CLI can answer before any flow starts. Raises AlreadyDeleted when nothing is left and the ledger holds the
+    subject's certificate, UnknownSubjectError when nothing is left and it never did."""
+    sid = int(subject_id)
+    if not ws.store.exists():
+        raise UnknownSubjectError(f"workspace {ws.root} has no event store (run `forgetful run --out {ws.root}` "
+                                  f"first)")
+    key = load_key(ws.root)
+    found, stay_ids = scan_subject(ws, sid)
+    stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
+    stay_files = [p for p in (ws.stay_memory(s, key) for s in stay_ids) if p.exists()]
+    if any(found.values()) or stay_files:
+        return found, stay_files
+    subject_hash = keyed_hash(sid, key)
+    for entry in read_ledger(ws.ledger):
+        cert = json.loads((ws.certificates / entry["certificate"]).read_text())
+        if cert.get("subject_hash") == subject_hash:
+            raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate "
+                                 f"{entry['certificate']}")
+    raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
+
+
 def _stay_ids_from_results(ws, sid):
     if not ws.results.exists():
         return []
@@ -107,18 +130,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
         recover(ws.root)
         key = load_key(ws.root)
         subject_hash = keyed_hash(sid, key)
-        found, stay_ids = scan_subject(ws, sid)
-        stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
-        stay_files = [p for p in (ws.stay_memory(s, key) for s in stay_ids) if p.exists()]
-        if not any(found.values()) and not stay_files:
-            ledger = read_ledger(ws.ledger)
-            certs = [e["certificate"] for e in ledger]
-            for name in certs:
-                cert = json.loads((ws.certificates / name).read_text())
-                if cert.get("subject_hash") == subject_hash:
-                    raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; "
-                                         f"certificate {name}")
-            raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
+        found, stay_files = check_subject(ws, sid)
 
         t0 = time.perf_counter()
         txn = Transaction(ws.root)
@@ -294,7 +306,7 @@ def _verify(cm, removed_keys, n_jitter):
 
 def _replay(ws, ckpts, sid, txn, n_jitter):
     """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
-    from cohorts.definitions import load_config
+    from cohorts.definitions import workspace_config
     from cohorts.runs import checkpoint_tokens, load_scaler
     from cohorts.streams import cohort_stream
 
@@ -302,7 +314,8 @@ def _replay(ws, ckpts, sid, txn, n_jitter):
         return {}, {}, {}
     latest = CohortMemory.load(ckpts[-1])
     tokens = checkpoint_tokens(ckpts[-1])
-    _, K, ids, order, subjects = cohort_stream(ws.store, load_config(), tokens, scaler=load_scaler(ckpts[-1]))
+    _, K, ids, order, subjects = cohort_stream(ws.store, workspace_config(ws.root), tokens,
+                                               scaler=load_scaler(ckpts[-1]))
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
     # checkpoint of the other stream mode is never a replay base
     first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)

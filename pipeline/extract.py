@@ -181,6 +181,15 @@ def connect(workdir, memory_limit="4GB", threads=None):
     return con
 
 
+def check_source(source):
+    """Raise ExtractionError when ``source`` lacks a required table or column (reads headers only)."""
+    con = duckdb.connect()
+    try:
+        _check_source(con, source)
+    finally:
+        con.close()
+
+
 def _check_source(con, source):
     source = Path(source)
     if not source.is_dir():

@@ -91,7 +91,7 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
     sid = subject_with_memory_tokens(ws)
     found, _ = scan_subject(ws, sid)
     assert found["events"] > 0 and found["cohort_memory_tokens"] > 0
-    path = Path(delete_patient(str(ws.root), sid))
+    path = Path(delete_patient(str(ws.root), sid)["certificate"])
     cert = json.loads(path.read_text())
     assert str(sid) not in path.read_text()  # only the keyed hash
     assert cert["mode"] == "decrement" and cert["residual_scan"]["rows_remaining"] == 0
@@ -282,10 +282,10 @@ def test_cli_run_without_a_configured_server_shares_one_and_exits(tmp_path):
     process-pool workers, and the process exits once Prefect's services have drained into it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--out", str(tmp_path / "ws"), "--budgets",
-                           "8", "--fractions", "", "--max-events", "60", "--encoder-steps", "0", "--cohort-budget",
-                           "16", "--workers", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
-                          check=False)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "--verbose", "run", "--out", str(tmp_path / "ws"),
+                           "--budgets", "8", "--fractions", "", "--max-events", "60", "--encoder-steps", "0",
+                           "--cohort-budget", "16", "--workers", "2"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=420, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert (tmp_path / "ws" / "report.html").exists()
@@ -354,3 +354,24 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
     replayed = CohortMemory.load(ws.checkpoints()[-1])
     assert replayed.memory.state_digest() == fresh.memory.state_digest() and not replayed.tokens_of(sid)
     assert (ws.checkpoints()[-1] / "token_scaling.json").exists()
+
+
+@pytest.mark.slow
+def test_deleting_twice_is_a_completed_no_op_flow_run(token_workspace, tmp_path):
+    from flows.prefect_flows import delete_patient
+    ws = copy_ws(token_workspace[0], tmp_path / "twice")
+    sid = _subject_in_cohort_memory(ws)
+    first = delete_patient(str(ws.root), sid)
+    assert Path(first["certificate"]).exists()
+    state = delete_patient(str(ws.root), sid, return_state=True)
+    assert state.is_completed()
+    again = state.result()
+    assert "already deleted" in again["already_deleted"] and str(sid) not in again["already_deleted"]
+    assert len(list(ws.certificates.glob("*.json"))) == 1
+    cli = subprocess.run([sys.executable, "-m", "flows.cli", "delete", "--out", str(ws.root), "--subject-id",
+                          str(sid)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and "nothing to do" in cli.stdout and "Traceback" not in cli.stderr
+    unknown = subprocess.run([sys.executable, "-m", "flows.cli", "delete", "--out", str(ws.root), "--subject-id",
+                              "424242"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert unknown.returncode == 2 and unknown.stderr.strip().startswith("forgetful: error:")
+    assert "Traceback" not in unknown.stderr

@@ -1,0 +1,57 @@
+"""The command line: fast help, one-line errors with exit 2 and no server, version and defaults."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args):
+    code = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
+            "print('prefect imported' if 'prefect' in sys.modules else 'no prefect', file=sys.stderr); "
+            "sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_every_option_has_help_and_defaults_are_shown(capsys):
+    parser = build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--tokens" in out and "(default: hourly)" in out and "--config" in out and "--memory-limit" in out
+
+
+@pytest.mark.slow
+def test_help_and_version_import_nothing_heavy():
+    p = subprocess.run([sys.executable, "-c", "import sys; from flows.cli import main\ntry:\n main(['--help'])\n"
+                        "except SystemExit: pass\nprint(sorted({'polars', 'prefect', 'torch', 'numpy'} & "
+                        "set(sys.modules)))"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip().endswith("[]"), p.stdout
+    v = subprocess.run([sys.executable, "-m", "flows.cli", "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert v.returncode == 0 and v.stdout.startswith("forgetful ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["run", "--source", "/no/such/mimic", "--out", "{tmp}/ws"], "source directory /no/such/mimic does not exist"),
+    (["run", "--config", "no-such-config", "--out", "{tmp}/ws"], "neither a shipped config"),
+    (["delete", "--out", "{tmp}/ws", "--subject-id", "1"], "has no event store"),
+])
+def test_user_errors_are_one_line_exit_2_without_a_server(tmp_path, args, message):
+    p = _cli(*[a.format(tmp=tmp_path) for a in args])
+    assert p.returncode == 2, p.stderr
+    *lines, marker = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forgetful: error:") and message in lines[0]
+    assert "Traceback" not in p.stderr + p.stdout
+    assert marker == "no prefect"               # no flow, no server: Prefect was never imported
+    assert not (tmp_path / "ws").exists()       # nothing written, not even a key
