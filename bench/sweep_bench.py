@@ -74,19 +74,8 @@ def main(argv=None):
     names = [p for p in POLICIES if p != "sv_learned"]
     score_stay(sample[0], 8, policy_names=("sv_certified",))  # compiled code loaded outside the timings
     print(f"\n## microseconds per event, {len(sample)} stays ({sample_events} events), one process")
-    print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>10}" for b in TABLE_BUDGETS))
-    per = {}
-    for name in names:
-        row = []
-        for b in TABLE_BUDGETS:
-            t0 = time.perf_counter()
-            for s in sample:
-                score_stay(s, b, policy_names=(name,))
-            row.append((time.perf_counter() - t0) / sample_events * 1e6)
-        per[name] = row
-        print(f"{name:<16}" + "".join(f"{v:>10.1f}" for v in row))
-    print("SV certified / baseline, per event: " + ", ".join(
-        f"{n} x{np.mean(np.array(per['sv_certified']) / np.array(per[n])):.1f}" for n in names if n != "sv_certified"))
+    cost_table(names, lambda name, b: [score_stay(s, b, policy_names=(name,)) for s in sample], sample_events,
+               "SV certified / baseline, per event")
 
     if not args.skip_full:
         t0 = time.perf_counter()
@@ -95,6 +84,22 @@ def main(argv=None):
         print(f"\n## full sweep: budgets {DEFAULT_BUDGETS} + fractions, {len(names)} policies, {len(streams)} stays, "
               f"{args.workers} workers: {wall:.0f} s wall ({len(rows)} result rows)")
     return 0
+
+
+def cost_table(names, run, n_items, ratio_title):
+    """Microseconds per item of ``run(name, budget)`` for each policy and table budget, and SV's ratios."""
+    print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>10}" for b in TABLE_BUDGETS))
+    per = {}
+    for name in names:
+        row = []
+        for b in TABLE_BUDGETS:
+            t0 = time.perf_counter()
+            run(name, b)
+            row.append((time.perf_counter() - t0) / n_items * 1e6)
+        per[name] = row
+        print(f"{name:<16}" + "".join(f"{v:>10.1f}" for v in row))
+    print(f"{ratio_title}: " + ", ".join(f"{n} x{np.mean(np.array(per['sv_certified']) / np.array(per[n])):.1f}"
+                                        for n in names if n != "sv_certified"))
 
 
 def _score_chunk(chunk, settings, fixed):
@@ -114,21 +119,13 @@ def token_bench(ws, args, t_extract):
     print(f"{len(streams)} evaluation stays, {n_tokens} hourly tokens (median {median} per stay); streaming "
           f"setting chosen on the training split: nu_B = {settings.nu}, sigma = {settings.sigma}")
     print(f"\n## microseconds per token, every evaluation stay ({n_tokens} tokens, keys: all channels), one process")
-    print(f"{'policy':<16}" + "".join(f"{'B=' + str(b):>10}" for b in TABLE_BUDGETS))
-    per = {}
-    for name in STREAMING_POLICIES:
-        row = []
-        for b in TABLE_BUDGETS:
-            t0 = time.perf_counter()
-            for s in streams:
-                X = s.keys["all_channels"]
-                streaming_sv(X, b, settings) if name == "sv_certified" else online_kept(name, X, b, 0)
-            row.append((time.perf_counter() - t0) / n_tokens * 1e6)
-        per[name] = row
-        print(f"{name:<16}" + "".join(f"{v:>10.1f}" for v in row))
-    print("SV certified (with its certificate-expiry solve) / baseline, per token: " + ", ".join(
-        f"{n} x{np.mean(np.array(per['sv_certified']) / np.array(per[n])):.1f}" for n in STREAMING_POLICIES
-        if n != "sv_certified"))
+
+    def one(name, b):
+        for s in streams:
+            X = s.keys["all_channels"]
+            streaming_sv(X, b, settings) if name == "sv_certified" else online_kept(name, X, b, 0)
+    cost_table(STREAMING_POLICIES, one, n_tokens, "SV certified (with its certificate-expiry solve) / baseline, "
+               "per token")
     if args.skip_full:
         return 0
     t0 = time.perf_counter()
