@@ -58,6 +58,9 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     summary, paired = aggregate(run_sweep(stays, budgets=(4, 8), fractions=(), workers=1))
     path = render_report({"summary": summary, "paired": paired, "cohort": {"stays": 4},
                           "metadata": {"data_source": "hand-built"}}, tmp_path)
+    text = path.read_text()
+    assert '<section id="headline">' in text and "Holm" in text
+    assert "labelled tokens kept (fraction), higher is better" in text and "memory budget B (events" in text
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
