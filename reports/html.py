@@ -152,6 +152,19 @@ def _fixed_budget(rows):
     return f"<p>{kept}; dropped (k = 0 or k &ge; n): {dropped['n'] if dropped else 0} stays.</p>"
 
 
+def _cohort_memory(info):
+    """The cohort memory's state as numbers: tokens fed and held, evictions, and the certified share."""
+    if not info:
+        return ""
+    cert, unc = info.get("certified_evictions", 0), info.get("uncertified_evictions", 0)
+    share = f"{cert / (cert + unc):.3f}" if cert + unc else "no evictions"
+    rows = [("stream", info.get("tokens_mode", "events")), ("fed this run", info.get("fed")),
+            ("held", info.get("tokens")), ("certified evictions", cert), ("uncertified evictions", unc),
+            ("certified share", share)]
+    return ("<h3>Cohort memory</h3><table>" + "".join(f"<tr><th>{k}</th><td>{html.escape(str(v))}</td></tr>"
+                                                    for k, v in rows) + "</table>")
+
+
 def _headline(summary, paired):
     """In words: at the headline budget of each protocol and label, which policy keeps most and by how much."""
     items = []
@@ -232,6 +245,7 @@ table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padd
 vertical-align:top}}small{{color:#555}}section{{margin-bottom:2em}}</style></head>
 <body><h1>Forgetful: retention vs. memory budget</h1>
 {_headline(summary, paired)}
+{_cohort_memory(result["metadata"].get("cohort_memory"))}
 <p>Fixed context (the paper's protocol): per stay, the exact solve over all its tokens sets the budget
 k = |S &cup; E| and every policy keeps k. Streaming: each evaluation stay's tokens in time order through each policy
 at the same budget. Means over stays with 95% percentile-bootstrap intervals; &ldquo;SV&minus;this&rdquo; is the
