@@ -191,6 +191,8 @@ def _headline(summary, paired):
             f"SV does <b>not</b> win: {html.escape(best['policy'])} keeps most"
         diff = (f"; SV&minus;{html.escape(rival['policy'])} {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, "
                 f"{d['ci_high']:+.3f}], Holm p={d['p_holm']:.3g}") if d else ""
+        if d and d["ci_low"] <= 0.0 <= d["ci_high"]:
+            diff += ": the interval spans 0, so the two are not told apart"
         items.append(f"<li>{text}{verdict}: SV {sv['mean']:.3f}, best other {html.escape(rival['policy'])} "
                      f"{rival['mean']:.3f}{diff} (n={sv['n']} stays).</li>")
     cert = []
