@@ -2,9 +2,11 @@
 import numpy as np
 import polars as pl
 
+from memory.cohort import token_id
 from pipeline.keys import EventKeyer
 
 from .definitions import build_cohort, label_events, stay_events
+from .tokens import build_tokens
 
 
 def evaluation_streams(store, cfg, max_events=None, encoder=None):
@@ -50,8 +52,6 @@ def cohort_event_stream(store, cfg, keyer=None, after=""):
     Returns (keyer, keys, token_ids, order_keys, subject_ids) for events whose order key is above ``after``.
     The keyer is fitted on the training split when none is given (and then persisted with the memory).
     """
-    from memory.cohort import token_id
-
     cohort = build_cohort(store, cfg)
     ev = stay_events(store, cohort)
     if keyer is None:
@@ -72,10 +72,6 @@ def cohort_token_stream(store, cfg, scaling=None, after=""):
     Order key: the bin's start time, then the stay's smallest event hash (a content hash already in the store,
     no identifier) to order tokens of different stays in the same hour.
     """
-    from memory.cohort import token_id
-
-    from .tokens import build_tokens
-
     table = build_tokens(store, cfg, scaling=scaling)
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")

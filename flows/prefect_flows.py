@@ -22,7 +22,7 @@ from cohorts.protocols import score_token_streams
 from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from pipeline.deletion import AlreadyDeleted, delete_subject, is_suppressed
-from pipeline.extract import ExtractionError, UnknownSubjectError, extract
+from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
 from pipeline.transaction import recover
@@ -82,7 +82,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     """Retry what can succeed on retry (I/O, a busy file), never bad input: it fails the same way again."""
     try:
         state.result()
-    except (ExtractionError, CohortConfigError, UnknownSubjectError):
+    except (ExtractionError, CohortConfigError):   # UnknownSubjectError is an ExtractionError
         return False
     except Exception:
         return True
@@ -201,27 +201,26 @@ def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_eve
     memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else max(budgets)
     common = dict(budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
                   memory_budget=unmapped(memory_budget))
-    settings = None
+    settings, cfg = None, workspace_config(ws.root)
     if tokens == "hourly":
         streams, settings, cohort = prepare_token_streams_task(str(ws.root))
         parts = balanced_chunks(streams, n_chunks, size=len)
-        fixed = workspace_config(ws.root)["protocols"]["fixed_context"]
+        fixed = cfg["protocols"]["fixed_context"]
         futures = score_token_chunk.map(parts, settings=unmapped(settings), fixed=unmapped(fixed), **common)
     else:
         streams, cohort = prepare_streams(str(ws.root), max_events)
         parts = balanced_chunks(streams, n_chunks)
         futures = score_chunk.map(parts, **common)
     stays_of = {f.task_run_id: len(p) for f, p in zip(futures, parts)}
-    per_stay = []
     with progress.step("scoring evaluation stays", total=len(streams), unit="stays") as advance:
         for f in as_completed(futures):
-            per_stay += f.result()
             advance(stays_of[f.task_run_id])
-    rows = long_rows(per_stay)
+    # rows in chunk order, not completion order: the bootstrap draws over stays in row order
+    rows = long_rows([r for f in futures for r in f.result()])
     save_results(rows, str(ws.root))
     summary, paired = aggregate(rows)
     metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0,
-                            tokens=tokens, settings=settings, cfg=workspace_config(ws.root))
+                            tokens=tokens, settings=settings, cfg=cfg)
     get_run_logger().info("scored %d evaluation stays (%s) at %d budgets", len(streams), tokens,
                           len(budgets) + len(fractions))
     return {"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata}
