@@ -61,10 +61,15 @@ def install_config(root, name_or_path: str | None) -> dict:
     return cfg
 
 
+def workspace_config_path(root) -> Path:
+    """The file of the workspace's cohort config (the shipped default when the workspace has none yet)."""
+    path = Path(root) / WORKSPACE_CONFIG
+    return path if path.exists() else DEFAULT_CONFIG
+
+
 def workspace_config(root) -> dict:
     """The workspace's cohort config (the default when the workspace has none yet)."""
-    path = Path(root) / WORKSPACE_CONFIG
-    return load_config(path if path.exists() else None)
+    return load_config(workspace_config_path(root))
 
 
 def is_eval_subject(subject_id, cfg):

@@ -5,9 +5,7 @@ aggregates or paths, so the flows that compose them carry no patient-level data 
 """
 import json
 import shutil
-import subprocess
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import polars as pl
@@ -15,26 +13,15 @@ import polars as pl
 from memory.cohort import CohortMemory
 from pipeline.keys import EventKeyer
 
-from .definitions import build_cohort, workspace_config
+from .characteristics import describe_cohort
+from .definitions import build_cohort, stay_events, workspace_config
 from .protocols import StreamingSettings, choose_streaming_settings, token_streams
+from .provenance import code_version
 from .streams import cohort_stream
 from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
 
 # Per-stay SV memories are persisted at this budget (or at the largest fixed budget of a run without it).
 HEADLINE_BUDGET = 64
-
-
-def code_version():
-    try:
-        v = version("forgetful")
-    except PackageNotFoundError:
-        v = "unknown"
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    return f"{v}+{rev}" if rev else v
 
 
 def run_metadata(ws, budgets, fractions, max_events, memory_budget, seconds, tokens="events", settings=None,
@@ -129,8 +116,9 @@ def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, di
     """Hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
     the training split, and the cohort's summary (aggregates only)."""
     cohort = build_cohort(store, cfg)
+    events = stay_events(store, cohort)
     table = build_tokens(store, cfg, cohort=cohort)
-    labelled = label_tokens(table, store, cfg, cohort=cohort)
+    labelled = label_tokens(table, store, cfg, cohort=cohort, events=events)
     evaluation = token_streams(labelled, table, cfg, split="eval")
     settings = choose_streaming_settings(token_streams(labelled, table, cfg, split="train"),
                                          cfg["protocols"]["streaming"])
@@ -143,4 +131,5 @@ def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, di
     for name in label_specs(cfg):
         summary[f"eval_tokens_{name}"] = int(ev[name].sum())
         summary[f"eval_stays_with_{name}"] = int(ev.group_by("stay_id").agg(pl.col(name).any())[name].sum())
+    summary["characteristics"] = describe_cohort(store, cfg, cohort, events, labelled)
     return evaluation, settings, summary

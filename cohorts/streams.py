@@ -5,6 +5,7 @@ import polars as pl
 from memory.cohort import token_id
 from pipeline.keys import EventKeyer
 
+from .characteristics import describe_cohort
 from .definitions import build_cohort, label_events, stay_events
 from .tokens import build_tokens
 
@@ -17,7 +18,8 @@ def evaluation_streams(store, cfg, max_events=None, encoder=None):
     of each stay (for quick runs); None keeps all.
     """
     cohort = build_cohort(store, cfg)
-    events = label_events(stay_events(store, cohort), cohort, cfg)
+    raw = stay_events(store, cohort)
+    events = label_events(raw, cohort, cfg)
     subject_of_stay = dict(zip(cohort["stay_id"].to_list(), cohort["subject_id"].to_list()))
     train_ids = cohort.filter(pl.col("split") == "train")["stay_id"].implode()
     keyer = EventKeyer().fit(events.filter(pl.col("stay_id").is_in(train_ids)))
@@ -42,6 +44,7 @@ def evaluation_streams(store, cfg, max_events=None, encoder=None):
         "deterioration_hours": int(sum(len(np.unique(s["hours"][s["deteriorating"]])) for s in streams)),
         "eval_stays_with_deterioration": int(sum(bool(s["deteriorating"].any()) for s in streams)),
         "rare_events": int(sum(int(s["rare"].sum()) for s in streams)),
+        "characteristics": describe_cohort(store, cfg, cohort, raw),
     }
     return streams, summary
 

@@ -218,12 +218,13 @@ def keyset_of(spec: dict) -> str:
     return f"without_{spec['heldout_channel']}" if spec.get("heldout_channel") else KEYSET_ALL
 
 
-def label_tokens(table: TokenTable, store, cfg: dict, cohort: pl.DataFrame | None = None) -> pl.DataFrame:
+def label_tokens(table: TokenTable, store, cfg: dict, cohort: pl.DataFrame | None = None,
+                 events: pl.DataFrame | None = None) -> pl.DataFrame:
     """The token frame with one boolean column per label of ``token_labels``.
 
     Threshold labels read the filled raw values; ``from: deterioration`` and ``from: rare_items`` mark the bins
     in which a deterioration criterion fires or a rare-code event occurs (events of the whole stay, not only
-    the channels).
+    the channels). ``events``: the cohort's stay events when the caller has them already.
     """
     specs = label_specs(cfg)
     tok = table.tokens
@@ -232,7 +233,7 @@ def label_tokens(table: TokenTable, store, cfg: dict, cohort: pl.DataFrame | Non
     event_labels = {n: s["from"] for n, s in specs.items() if "thresholds" not in s}
     if event_labels:
         cohort = build_cohort(store, cfg) if cohort is None else cohort
-        ev = label_events(stay_events(store, cohort), cohort, cfg)
+        ev = label_events(stay_events(store, cohort) if events is None else events, cohort, cfg)
         col = {"deterioration": "deteriorating", "rare_items": "rare"}
         per_bin = (ev.with_columns((pl.col("hour") // table.bin_hours).cast(pl.Int64).alias("hour"))
                    .group_by("stay_id", "hour")

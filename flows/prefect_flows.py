@@ -19,6 +19,7 @@ from cohorts.definitions import CohortConfigError, install_config, workspace_con
 from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, balanced_chunks, headline_rows,
                                 long_rows, run_sweep)
 from cohorts.protocols import score_token_streams
+from cohorts.provenance import provenance
 from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from pipeline.deletion import AlreadyDeleted, delete_subject, is_suppressed
@@ -163,6 +164,12 @@ def save_results(rows, root):
     return str(ws.results)
 
 
+@task(cache_policy=NO_CACHE, persist_result=False)
+def provenance_task(root, source):
+    ws = Workspace(root)
+    return provenance(ws.store, ws.root, source)
+
+
 @task(cache_policy=INPUTS)
 def render_task(result, root):
     return str(render_report(result, root))
@@ -236,7 +243,8 @@ def report(root, result):
     create_table_artifact(key="forgetful-headline", table=headline,
                           description="Fixed-context retention (budget k) and streaming at B = 32 and 64")
     create_markdown_artifact(key="forgetful-report", markdown=f"Report written to `{path}` "
-                             f"(cohort: {result['cohort']}).", description="Forgetful HTML report")
+                             f"({result['cohort']['stays']} ICU stays, {result['cohort']['eval_stays']} "
+                             f"scored).", description="Forgetful HTML report")
     return path
 
 
@@ -266,8 +274,10 @@ def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DE
         result = evaluate.with_options(task_runner=make_task_runner(task_runner, workers))(
             str(ws.root), budgets=tuple(budgets), fractions=tuple(fractions), max_events=max_events, tokens=tokens)
         result["metadata"]["data_source"] = str(source or "embedded generator (deterministic)")
+        result["provenance"] = provenance_task(str(ws.root), result["metadata"]["data_source"])
         result["metadata"]["ingest"] = ingest_info
-        result["metadata"]["learned_keys_encoder"] = encoder_info
+        result["metadata"]["learned_keys_encoder"] = encoder_info or \
+            "not trained: learned keys are for raw events (--tokens events with encoder steps > 0)"
         result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget, tokens)
         path = report(str(ws.root), result)
     return {"report": path, "result": result}

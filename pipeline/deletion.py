@@ -283,7 +283,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
 
 
 def _code_version():
-    from cohorts.runs import code_version
+    from cohorts.provenance import code_version
     return code_version()
 
 

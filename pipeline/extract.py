@@ -213,7 +213,8 @@ def _check_source(con, source):
     return paths, missing
 
 
-def _load_manifest(out):
+def load_manifest(out) -> dict:
+    """The store's manifest: per source file its path, size, mtime, sha256 and rows; the run history."""
     p = Path(out) / "manifest.json"
     return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
 
@@ -233,7 +234,7 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     try:
         paths, missing = _check_source(con, source)
-        manifest = _load_manifest(out)
+        manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
 
         con.execute(f"CREATE OR REPLACE TEMP TABLE stays AS SELECT {_int('stay_id')} AS stay_id, "
@@ -343,10 +344,11 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
         summary.new_events = int(n_new)
         summary.suppressed_rows = int(suppressed_rows)
         _write_codes(con, out, paths)
-        # Stay table for cohorts: icustays with the patient's anchor age (all stays, rewritten each run).
+        # Stay table for cohorts: icustays with the patient's anchor age and sex (all stays, rewritten each run).
         con.execute(f"""COPY (SELECT {_int('i.stay_id')} AS stay_id, {_int('i.subject_id')} AS subject_id,
                             {_int('i.hadm_id')} AS hadm_id, i.first_careunit, {_ts('i.intime')} AS intime,
-                            {_ts('i.outtime')} AS outtime, {_int('p.anchor_age')} AS anchor_age
+                            {_ts('i.outtime')} AS outtime, {_int('p.anchor_age')} AS anchor_age,
+                            p.gender AS gender
                      FROM read_csv('{paths['icustays']}', header=true, all_varchar=true) i
                      LEFT JOIN read_csv('{paths['patients']}', header=true, all_varchar=true) p
                        ON i.subject_id = p.subject_id
@@ -399,6 +401,15 @@ def _write_codes(con, out, paths):
 def scan_events(store):
     """Lazy frame over the whole event store."""
     return pl.scan_parquet(Path(store) / "events" / "*" / "*.parquet", hive_partitioning=True)
+
+
+def quarantine_reasons(store) -> dict[str, int]:
+    """Rows the extraction rejected, by the rule that rejected them (empty when nothing was rejected)."""
+    files = sorted((Path(store) / "quarantine").glob("*.parquet"))
+    if not files:
+        return {}
+    counts = pl.scan_parquet(files).group_by("reason").len().sort("reason").collect()
+    return {r: int(n) for r, n in counts.iter_rows()}
 
 
 class UnknownSubjectError(ExtractionError, KeyError):

@@ -2,10 +2,13 @@
 
 Aggregates only: the report and its JSON hold no subject or stay identifiers.
 """
+import dataclasses
 import html
 import json
 import math
 from pathlib import Path
+
+from .tables import cohort_tables, provenance_section
 
 COLORS = {"sv_certified": "#c0392b", "sv_learned": "#e67e22", "recency": "#2c3e50", "softmax_h2o": "#2980b9",
           "residual_delta": "#27ae60", "random": "#8e44ad", "h2o_proxy": "#7f8c8d"}
@@ -21,24 +24,31 @@ METRIC_TITLES = {"retention": "labelled tokens kept (fraction)", "retrieval": "r
                  "output_deviation": "readout deviation from the full context", "budget_k": "budget k = |S u E|"}
 
 
-def _fixed_budgets(summary):
-    return sorted({int(r["budget"]) for r in summary if r["budget"].isdigit()})
+def _is_fraction(budget: str) -> bool:
+    return budget.startswith("f")
 
 
-def _chart(summary, metric, width=900, height=300, pad=60):
-    budgets = _fixed_budgets(summary)
-    rows = [r for r in summary if r["metric"] == metric and r["budget"].isdigit()]
-    if not rows or len(budgets) < 1:
+def _budget_value(budget: str) -> float:
+    return float(budget[1:]) if _is_fraction(budget) else float(budget)
+
+
+def _chart(rows, metric, fractions=False, width=900, height=300, pad=60):
+    """Mean and 95% band per policy over the fixed budgets (log axis) or the fraction budgets (linear axis)."""
+    rows = [r for r in rows if r["metric"] == metric and (_is_fraction(r["budget"]) if fractions
+                                                          else r["budget"].isdigit())]
+    if not rows:
         return ""
+    budgets = sorted({_budget_value(r["budget"]) for r in rows})
     # fitted to the data: a fraction that never passes 0.25 gets a 0-0.25 axis, not 0-1
-    top = max(r["ci_high"] for r in rows if math.isfinite(r["ci_high"])) if rows else 1.0
+    top = max((r["ci_high"] for r in rows if math.isfinite(r["ci_high"])), default=1.0)
     ymax = min(1.0, top * 1.1) if metric != "output_deviation" else top * 1.1
     ymax = ymax if ymax > 0 else 1.0
-    lx = [math.log2(b) for b in budgets]
-    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+    scale = (lambda b: b) if fractions else math.log2
+    x0, x1 = scale(budgets[0]), scale(budgets[-1])
+    x1 = x1 if x1 > x0 else x0 + 1
 
     def X(b):
-        return pad + (math.log2(b) - x0) / (x1 - x0) * (width - 2 * pad)
+        return pad + (scale(b) - x0) / (x1 - x0) * (width - 2 * pad)
 
     def Y(v):
         return height - pad + -(v / ymax) * (height - 2 * pad)
@@ -49,26 +59,28 @@ def _chart(summary, metric, width=900, height=300, pad=60):
              f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#555"/>',
              f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#555"/>']
     for b in budgets:
-        parts.append(f'<text x="{X(b):.1f}" y="{height - pad + 16}" font-size="11" text-anchor="middle">{b}</text>')
+        tick = f"{b:.0%}" if fractions else f"{b:.0f}"
+        parts.append(f'<text x="{X(b):.1f}" y="{height - pad + 16}" font-size="11" text-anchor="middle">{tick}</text>')
     for k in range(5):
         v = ymax * k / 4
         parts.append(f'<text x="{pad - 6}" y="{Y(v) + 4:.1f}" font-size="11" text-anchor="end">{v:.2g}</text>')
         parts.append(f'<line x1="{pad}" y1="{Y(v):.1f}" x2="{width - pad}" y2="{Y(v):.1f}" stroke="#eee"/>')
     unit = "tokens" if rows[0].get("tokens", "events") == "hourly" else "events"
     direction = "lower is better" if metric == "output_deviation" else "higher is better"
-    parts.append(f'<text x="{width / 2}" y="{height - 12}" font-size="12" text-anchor="middle">memory budget B '
-                 f'({unit} kept, log scale)</text>')
+    xlabel = (f"memory budget as a fraction of the stay's stream ({unit} kept = fraction x stream length)"
+              if fractions else f"memory budget B ({unit} kept, log scale)")
+    parts.append(f'<text x="{width / 2}" y="{height - 12}" font-size="12" text-anchor="middle">{xlabel}</text>')
     parts.append(f'<text x="14" y="{height / 2}" font-size="12" text-anchor="middle" '
                  f'transform="rotate(-90 14 {height / 2})">{html.escape(METRIC_TITLES.get(metric, metric))}, '
                  f'{direction}</text>')
     for pol in sorted({r["policy"] for r in rows}):
-        pr = sorted((r for r in rows if r["policy"] == pol), key=lambda r: int(r["budget"]))
+        pr = sorted((r for r in rows if r["policy"] == pol), key=lambda r: _budget_value(r["budget"]))
         color = COLORS.get(pol, "#777")
-        band = [(X(int(r["budget"])), Y(r["ci_high"])) for r in pr] + \
-               [(X(int(r["budget"])), Y(r["ci_low"])) for r in reversed(pr)]
+        band = [(X(_budget_value(r["budget"])), Y(r["ci_high"])) for r in pr] + \
+               [(X(_budget_value(r["budget"])), Y(r["ci_low"])) for r in reversed(pr)]
         parts.append(f'<polygon points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in band)}" fill="{color}" '
                      f'fill-opacity="0.15" stroke="none"/>')
-        line = " ".join(f"{X(int(r['budget'])):.1f},{Y(r['mean']):.1f}" for r in pr)
+        line = " ".join(f"{X(_budget_value(r['budget'])):.1f},{Y(r['mean']):.1f}" for r in pr)
         parts.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2">'
                      f'<title>{html.escape(pol)}</title></polyline>')
     parts.append("</svg>")
@@ -138,9 +150,16 @@ def _fixed_table(summary, paired):
 
 
 def _cell(v):
-    """A table cell: a mapping (counts per channel, ...) as one 'name: value' per line, not a repr."""
+    """A table cell: a mapping as one 'name: value' per line, a list of mappings as a small table, not a repr."""
     if isinstance(v, dict):
-        return "<br>".join(f"{html.escape(str(k))}: {html.escape(str(x))}" for k, x in v.items())
+        return "<br>".join(f"{html.escape(str(k))}: {_cell(x)}" for k, x in v.items())
+    if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+        cols = list(v[0])
+        head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{_cell(x.get(c))}</td>" for c in cols) + "</tr>" for x in v)
+        return f"<table>{head}{body}</table>"
+    if isinstance(v, float):
+        return f"{v:.4g}"
     return html.escape(str(v))
 
 
@@ -165,19 +184,77 @@ def _cohort_memory(info):
                                                     for k, v in rows) + "</table>")
 
 
-def _headline(summary, paired):
-    """In words: at the headline budget of each protocol and label, which policy keeps most and by how much."""
-    items = []
+def _headline_rows(summary):
+    """{(protocol, tokens, keys, label): retention rows at the protocol's headline budget}."""
+    out = {}
     for protocol, tokens, keys, label in _groups(summary):
-        if label == "none":
-            continue
         budget = "k" if protocol == "fixed_context" else HEADLINE_BUDGET
         rows = _select(summary, protocol=protocol, tokens=tokens, keys=keys, label=label, budget=budget,
                        metric="retention")
+        if label != "none" and rows:
+            out[(protocol, tokens, keys, label)] = sorted(rows, key=lambda r: -r["mean"])
+    return out
+
+
+def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
+    """One figure: per label (rows) and protocol (columns), each policy's retention at the headline budget as a
+    bar with its 95% interval."""
+    groups = _headline_rows(summary)
+    if not groups:
+        return ""
+    protocols = sorted({g[0] for g in groups}, key=lambda p: p != "fixed_context")
+    labels = list(dict.fromkeys((g[1], g[2], g[3]) for g in groups))
+    n_pol = max(len(v) for v in groups.values())
+    panel_h = 22 + n_pol * bar + pad
+    top = max(r["ci_high"] for v in groups.values() for r in v if math.isfinite(r["ci_high"]))
+    xmax = min(1.0, top * 1.05) if top > 0 else 1.0
+    width, height = 20 + panel_width * len(protocols), 40 + panel_h * len(labels) + 24
+    plot_w = panel_width - name_width - 60
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+             f'aria-label="retention at the headline budget, per label and protocol">',
+             f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>']
+    for j, protocol in enumerate(protocols):
+        x0 = 20 + j * panel_width
+        budget = "budget k = |S u E| per stay" if protocol == "fixed_context" else f"budget B = {HEADLINE_BUDGET}"
+        parts.append(f'<text x="{x0}" y="18" font-size="13" font-weight="bold">{html.escape(protocol.replace("_", " "))}'
+                     f' ({budget})</text>')
+        for i, (tokens, keys, label) in enumerate(labels):
+            y0 = 32 + i * panel_h
+            parts.append(f'<text x="{x0}" y="{y0 + 14}" font-size="12">{html.escape(label)} '
+                         f'<tspan fill="#777">(keys: {html.escape(keys)})</tspan></text>')
+            for k, r in enumerate(groups.get((protocol, tokens, keys, label), [])):
+                y = y0 + 22 + k * bar
+                bx = x0 + name_width
+
+                def X(v):
+                    return bx + max(0.0, min(v, xmax)) / xmax * plot_w
+
+                color = COLORS.get(r["policy"], "#777")
+                weight = ' font-weight="bold"' if r["policy"] == "sv_certified" else ""
+                parts.append(f'<text x="{bx - 4}" y="{y + bar - 4}" font-size="11" text-anchor="end"{weight}>'
+                             f'{html.escape(r["policy"])}</text>'
+                             f'<rect x="{bx}" y="{y + 2}" width="{X(r["mean"]) - bx:.1f}" height="{bar - 4}" '
+                             f'fill="{color}" fill-opacity="0.8"><title>{html.escape(r["policy"])} '
+                             f'{r["mean"]:.3f}</title></rect>'
+                             f'<line x1="{X(r["ci_low"]):.1f}" y1="{y + bar / 2}" x2="{X(r["ci_high"]):.1f}" '
+                             f'y2="{y + bar / 2}" stroke="#222"/>'
+                             f'<text x="{X(r["ci_high"]) + 4:.1f}" y="{y + bar - 4}" font-size="10" '
+                             f'fill="#444">{r["mean"]:.2f}</text>')
+    parts.append(f'<text x="{width / 2}" y="{height - 6}" font-size="12" text-anchor="middle">labelled tokens kept '
+                 f'(fraction of each stay\'s, mean over stays; bar = mean, line = 95% interval; axis 0 to '
+                 f'{xmax:.2g}), higher is better</text></svg>')
+    return "".join(parts)
+
+
+def _headline(summary, paired):
+    """In words: at the headline budget of each protocol and label, which policy keeps most and by how much."""
+    items = []
+    for (protocol, tokens, keys, label), rows in _headline_rows(summary).items():
+        budget = "k" if protocol == "fixed_context" else HEADLINE_BUDGET
         sv = next(iter(_select(rows, policy="sv_certified")), None)
-        if not rows or sv is None:
+        if sv is None:
             continue
-        best = max(rows, key=lambda r: r["mean"])
+        best = rows[0]
         others = [r for r in rows if r["policy"] != "sv_certified"]
         rival = max(others, key=lambda r: r["mean"]) if others else None
         text = (f"<b>{html.escape(protocol.replace('_', ' '))}, {html.escape(tokens)} tokens, "
@@ -202,10 +279,15 @@ def _headline(summary, paired):
                         f"tokens, keys {html.escape(r['keys'])}): {r['mean']:.3f} [{r['ci_low']:.3f}, "
                         f"{r['ci_high']:.3f}] over {r['n']} stays with evictions</li>")
     return (f"<section id=\"headline\"><h2>What this run found</h2><ul>{''.join(items)}</ul>"
+            f"{_headline_figure(summary)}"
             f"<h3>Certification</h3><ul>{''.join(cert) or '<li>no SV evictions at this budget</li>'}</ul>"
             f"<p><small>Retention = fraction of a stay's labelled tokens kept, averaged over stays with at least "
             f"one; p-values are two-sided sign-flip tests, Holm-adjusted over every paired comparison in this "
             f"report.</small></p></section>")
+
+
+def _jsonable(o):
+    return dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
 
 
 def render_report(result, out_dir):
@@ -234,17 +316,19 @@ def render_report(result, out_dir):
                 continue
             series = sorted({r["policy"] for r in mrows})
             parts.append(f"<h3>{html.escape(METRIC_TITLES[metric])}</h3>{_chart(mrows, metric)}"
+                         f"{_chart(mrows, metric, fractions=True)}"
                          f"<p>{_legend(series)}</p>{_table(rows, prows, metric)}")
         sections.append(f"<section><h2>{title}</h2>{''.join(parts)}</section>")
-    cohort_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{_cell(v)}</td></tr>"
-                          for k, v in result["cohort"].items())
-    meta_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
-                        for k, v in result["metadata"].items())
+    stream_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{_cell(v)}</td></tr>"
+                          for k, v in result["cohort"].items() if k != "characteristics")
+    meta_rows = "".join(f"<tr><th>{html.escape(str(k).replace('_', ' '))}</th><td>{_cell(v)}</td></tr>"
+                        for k, v in result["metadata"].items() if k != "cohort_memory")
     doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Forgetful retention report</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}}
 table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;
-vertical-align:top}}small{{color:#555}}section{{margin-bottom:2em}}</style></head>
+vertical-align:top}}small{{color:#555}}section{{margin-bottom:2em}}th.group{{background:#f3f3f3}}
+pre{{background:#f7f7f7;padding:.5em;overflow-x:auto}}</style></head>
 <body><h1>Forgetful: retention vs. memory budget</h1>
 {_headline(summary, paired)}
 {_cohort_memory(result["metadata"].get("cohort_memory"))}
@@ -253,11 +337,13 @@ k = |S &cup; E| and every policy keeps k. Streaming: each evaluation stay's toke
 at the same budget. Means over stays with 95% percentile-bootstrap intervals; &ldquo;SV&minus;this&rdquo; is the
 paired difference of certified SV selection minus that policy, with a sign-flip permutation p-value. Aggregates
 only.</p>
-<h2>Cohort</h2><table>{cohort_rows}</table>
+{cohort_tables(result["cohort"].get("characteristics"))}
+<h2>Streams scored</h2><table>{stream_rows}</table>
 {''.join(sections)}
 <h2>Run</h2><table>{meta_rows}</table>
+{provenance_section(result.get("provenance"))}
 </body></html>"""
     path = out / "report.html"
     path.write_text(doc, encoding="utf-8")
-    (out / "report.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "report.json").write_text(json.dumps(result, indent=1, default=_jsonable))
     return path

@@ -52,15 +52,21 @@ def png_rows(path):
     return width, height, channels, rows
 
 
+def hand_result():
+    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1} for i in range(4)]
+    summary, paired = aggregate(run_sweep(stays, budgets=(4, 8, 32), fractions=(0.5,), workers=1))
+    return {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
+            "metadata": {"data_source": "hand-built"}}
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed on this machine")
 def test_report_renders_in_a_headless_browser(tmp_path):
-    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1} for i in range(4)]
-    summary, paired = aggregate(run_sweep(stays, budgets=(4, 8), fractions=(), workers=1))
-    path = render_report({"summary": summary, "paired": paired, "cohort": {"stays": 4},
-                          "metadata": {"data_source": "hand-built"}}, tmp_path)
+    path = render_report(hand_result(), tmp_path)
     text = path.read_text()
     assert '<section id="headline">' in text and "Holm" in text
+    assert 'aria-label="retention at the headline budget, per label and protocol"' in text
     assert "labelled tokens kept (fraction), higher is better" in text and "memory budget B (events" in text
+    assert "memory budget as a fraction of the stay's stream" in text
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                     "--disable-background-networking", "--disable-component-update", "--disable-sync",

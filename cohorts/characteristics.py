@@ -1,0 +1,119 @@
+"""The cohort as clinical papers describe it ("Table 1"): per split, aggregates only, no identifiers.
+
+The unit is the ICU stay: a patient with two stays counts twice in the age, sex, length-of-stay and mortality
+rows (the patients row counts each once).
+"""
+from dataclasses import dataclass
+
+import polars as pl
+
+from pipeline.extract import quarantine_reasons
+
+from .definitions import deterioration_hours
+
+SPLITS = ("all", "train", "eval")
+
+
+@dataclass(frozen=True)
+class Count:
+    """``n`` of ``of`` (``of`` = 0: a plain count with no percentage)."""
+    n: int
+    of: int = 0
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and interquartile range (``n`` values; all None when there are none)."""
+    median: float | None
+    q1: float | None
+    q3: float | None
+    n: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One characteristic: one cell per split of :data:`SPLITS`, under a ``group`` heading ('' for none)."""
+    name: str
+    cells: tuple
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class CohortTable:
+    rows: tuple[Row, ...]
+    criteria: tuple[Row, ...]            # per deterioration criterion: hours in which it fires, stays with one
+    quarantine: dict[str, int]           # rows the extraction rejected (whole store), by rule
+    notes: tuple[str, ...]               # how the rows are measured
+    splits: tuple[str, ...] = SPLITS
+
+
+def _by_split(frame: pl.DataFrame, cell) -> tuple:
+    return tuple(cell(frame if s == "all" else frame.filter(pl.col("split") == s)) for s in SPLITS)
+
+
+def _spread(values: pl.Series) -> Spread:
+    v = values.drop_nulls()
+    if v.len() == 0:
+        return Spread(None, None, None, 0)
+    return Spread(float(v.median()), float(v.quantile(0.25, "linear")), float(v.quantile(0.75, "linear")),
+                  int(v.len()))
+
+
+def _stays_with(cohort: pl.DataFrame, stay_ids: pl.Series) -> tuple:
+    flagged = cohort.with_columns(pl.col("stay_id").is_in(stay_ids.implode()).alias("flag"))
+    return _by_split(flagged, lambda f: Count(int(f["flag"].sum()), f.height))
+
+
+def _demographics(cohort: pl.DataFrame, deaths: pl.Series) -> list[Row]:
+    rows = [Row("ICU stays", _by_split(cohort, lambda f: Count(f.height))),
+            Row("patients", _by_split(cohort, lambda f: Count(int(f["subject_id"].n_unique())))),
+            Row("age, years", _by_split(cohort, lambda f: _spread(f["anchor_age"])))]
+    if "gender" in cohort.columns:
+        rows.append(Row("female", _by_split(cohort, lambda f: Count(int((f["gender"] == "F").sum()), f.height))))
+    rows += [Row("ICU length of stay, days", _by_split(cohort, lambda f: _spread(f["stay_hours"] / 24.0))),
+             Row("ICU mortality", _stays_with(cohort, deaths))]
+    for unit in sorted(cohort["first_careunit"].drop_nulls().unique()):
+        rows.append(Row(unit, _by_split(cohort, lambda f, u=unit: Count(int((f["first_careunit"] == u).sum()),
+                                                                          f.height)), group="first care unit"))
+    return rows
+
+
+def _token_rows(labelled: pl.DataFrame, labels: list[str]) -> list[Row]:
+    rows = [Row("stays with vital-sign tokens", _by_split(labelled, lambda f: Count(int(f["stay_id"].n_unique())))),
+            Row("hourly tokens", _by_split(labelled, lambda f: Count(f.height)))]
+    for name in labels:
+        rows.append(Row(name, _by_split(labelled, lambda f, n=name: Count(int(f[n].sum()), f.height)),
+                        group="labelled tokens (% of tokens)"))
+    per_stay = labelled.group_by("stay_id", "split").agg(pl.col(n).any() for n in labels)
+    for name in labels:
+        rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int(f[n].sum()), f.height)),
+                        group="stays with a labelled token (% of stays with tokens)"))
+    return rows
+
+
+def _criterion_rows(cohort: pl.DataFrame, events: pl.DataFrame, cfg: dict) -> list[Row]:
+    fired = deterioration_hours(events, cfg).join(cohort.select("stay_id", "split"), on="stay_id")
+    rows = []
+    for c in cfg["deterioration"]["criteria"]:
+        mine = fired.filter(pl.col("criterion") == c["name"])
+        rows += [Row("hours in which it fires", _by_split(mine, lambda f: Count(f.height)), group=c["name"]),
+                 Row("stays (% of stays)", _stays_with(cohort, mine["stay_id"].unique()), group=c["name"])]
+    return rows
+
+
+def describe_cohort(store, cfg: dict, cohort: pl.DataFrame, events: pl.DataFrame,
+                    labelled: pl.DataFrame | None = None) -> CohortTable:
+    """Table 1 of the cohort. ``events``: the cohort's stay events (:func:`cohorts.definitions.stay_events`);
+    ``labelled``: its labelled hourly tokens (:func:`cohorts.tokens.label_tokens`), None in events mode."""
+    death_codes = cfg["cohort"].get("death_codes", ["DEATH"])
+    deaths = events.filter(pl.col("code").is_in(death_codes))["stay_id"].unique()
+    rows = _demographics(cohort, deaths)
+    if labelled is not None:
+        rows += _token_rows(labelled, [n for n in (cfg.get("token_labels") or {}) if n in labelled.columns])
+    notes = ("unit: the ICU stay of an adult (anchor_age >= {min_age}) lasting at least {min_hours} h; "
+             "median [interquartile range] or n (%)".format(min_age=cfg["cohort"]["min_age"],
+                                                            min_hours=cfg["cohort"]["min_stay_hours"]),
+             f"ICU mortality: a death code ({', '.join(death_codes)}) dated inside the stay's window",
+             "age: MIMIC-IV anchor_age (ages above 89 are shifted to 91 in the source)",
+             "quarantined rows: every row of the store the extraction rejected, by its rule (all patients)")
+    return CohortTable(tuple(rows), tuple(_criterion_rows(cohort, events, cfg)), quarantine_reasons(store), notes)

@@ -1,0 +1,72 @@
+"""Where a run's numbers come from: the source files and their checksums, the code, the packages, the config."""
+import hashlib
+import platform
+import subprocess
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from pipeline.extract import load_manifest
+
+from .definitions import workspace_config_path
+
+# The packages whose versions can change a number in the report.
+PACKAGES = ("forgetful", "numpy", "scipy", "numba", "polars", "duckdb", "pyarrow", "scikit-learn", "torch",
+            "prefect")
+
+
+def code_version() -> str:
+    """The installed package's version and, in a git checkout, its commit."""
+    try:
+        v = version("forgetful")
+    except PackageNotFoundError:
+        v = "unknown"
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"{v}+{rev}" if rev else v
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    table: str
+    path: str
+    sha256: str
+    rows: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Provenance:
+    source: str
+    files: tuple[SourceFile, ...]        # as of the store's latest extraction
+    extractions: int                     # extraction runs that built the store
+    code_version: str
+    packages: dict[str, str]
+    config_path: str
+    config_sha256: str
+    config_text: str
+
+
+def provenance(store, root, source: str) -> Provenance:
+    """The provenance of a run over the workspace ``root`` whose store is ``store``, read from ``source``."""
+    manifest = load_manifest(store)
+    files = tuple(SourceFile(t, str(f["path"]), f["sha256"], int(f.get("rows", 0)), int(f["size"]))
+                  for t, f in sorted(manifest["files"].items()))
+    cfg = workspace_config_path(root)
+    text = cfg.read_text()
+    where = Path(source)
+    return Provenance(str(where.resolve()) if where.exists() else source, files, len(manifest["runs"]), code_version(), package_versions(), str(cfg),
+                      hashlib.sha256(text.encode()).hexdigest(), text)

@@ -1,0 +1,93 @@
+"""The report's cohort table, criterion breakdown, quarantine and provenance, checked by hand."""
+import hashlib
+import json
+from datetime import datetime, timedelta
+
+import polars as pl
+
+from cohorts.characteristics import Count, Spread, describe_cohort
+from cohorts.provenance import provenance
+from reports.html import render_report
+
+T0 = datetime(2150, 1, 1)
+CFG = {"cohort": {"min_age": 18, "min_stay_hours": 12, "death_codes": ["DEATH"]},
+       "deterioration": {"criteria": [{"name": "low_map", "codes": ["MAP"], "below": 65},
+                                      {"name": "icu_death", "codes": ["DEATH"], "first_event": True}]},
+       "token_labels": {"composite": {}}}
+
+
+def cohort():
+    return pl.DataFrame({"stay_id": [1, 2, 3], "subject_id": [10, 10, 20], "anchor_age": [60, 62, 80],
+                         "gender": ["F", "F", "M"], "stay_hours": [24.0, 48.0, 72.0],
+                         "first_careunit": ["MICU", "SICU", "MICU"], "split": ["train", "train", "eval"]})
+
+
+def events():
+    rows = [(1, "MAP", 60.0, 1), (1, "MAP", 50.0, 1), (1, "MAP", 55.0, 2), (1, "MAP", 80.0, 3),
+            (3, "MAP", 70.0, 5), (3, "DEATH", None, 70)]
+    return pl.DataFrame({"stay_id": [r[0] for r in rows], "code": [r[1] for r in rows],
+                         "numeric_value": [r[2] for r in rows], "hour": [r[3] for r in rows],
+                         "time": [T0 + timedelta(hours=r[3]) for r in rows]})
+
+
+def labelled():
+    return pl.DataFrame({"stay_id": [1, 1, 1, 1, 3, 3], "split": ["train"] * 4 + ["eval"] * 2,
+                         "composite": [True, False, False, False, False, False]})
+
+
+def test_table_one_by_split(tmp_path):
+    q = tmp_path / "quarantine"
+    q.mkdir()
+    pl.DataFrame({"subject_id": [1, 2, 3], "reason": ["negative_value", "negative_value", "outside_stay"]}) \
+        .write_parquet(q / "run-1.parquet")
+    t = describe_cohort(tmp_path, CFG, cohort(), events(), labelled())
+    rows = {(r.group, r.name): r.cells for r in t.rows}
+    assert rows[("", "ICU stays")] == (Count(3), Count(2), Count(1))
+    assert rows[("", "patients")] == (Count(2), Count(1), Count(1))
+    assert rows[("", "female")] == (Count(2, 3), Count(2, 2), Count(0, 1))
+    assert rows[("", "ICU mortality")] == (Count(1, 3), Count(0, 2), Count(1, 1))
+    assert rows[("", "ICU length of stay, days")][0] == Spread(2.0, 1.5, 2.5, 3)
+    assert rows[("", "age, years")][1] == Spread(61.0, 60.5, 61.5, 2)
+    assert rows[("first care unit", "MICU")] == (Count(2, 3), Count(1, 2), Count(1, 1))
+    assert rows[("", "hourly tokens")] == (Count(6), Count(4), Count(2))
+    assert rows[("labelled tokens (% of tokens)", "composite")] == (Count(1, 6), Count(1, 4), Count(0, 2))
+    assert rows[("stays with a labelled token (% of stays with tokens)", "composite")] == \
+        (Count(1, 2), Count(1, 1), Count(0, 1))
+    crit = {(r.group, r.name): r.cells for r in t.criteria}
+    assert crit[("low_map", "hours in which it fires")] == (Count(2), Count(2), Count(0))   # hours 1 and 2
+    assert crit[("low_map", "stays (% of stays)")] == (Count(1, 3), Count(1, 2), Count(0, 1))
+    assert crit[("icu_death", "stays (% of stays)")] == (Count(1, 3), Count(0, 2), Count(1, 1))
+    assert t.quarantine == {"negative_value": 2, "outside_stay": 1}
+    assert describe_cohort(tmp_path / "empty", CFG, cohort(), events()).quarantine == {}
+
+
+def test_provenance_names_files_code_packages_and_config(tmp_path):
+    store, root = tmp_path / "store", tmp_path / "ws"
+    store.mkdir()
+    root.mkdir()
+    (store / "manifest.json").write_text(json.dumps({"files": {"icustays": {
+        "path": "/data/icu/icustays.csv.gz", "size": 10, "mtime_ns": 0, "sha256": "ab" * 32, "rows": 3}},
+        "runs": [{"run_id": "r1"}, {"run_id": "r2"}]}))
+    (root / "config.yaml").write_text("cohort: {min_age: 18}\n")
+    p = provenance(store, root, "hand-built source")
+    assert [(f.table, f.sha256, f.rows) for f in p.files] == [("icustays", "ab" * 32, 3)]
+    assert p.extractions == 2 and p.source == "hand-built source"
+    assert p.config_sha256 == hashlib.sha256(b"cohort: {min_age: 18}\n").hexdigest()
+    assert p.packages["numpy"] != "not installed" and "python" in p.packages
+
+
+def test_report_shows_the_cohort_and_provenance_and_keeps_them_in_its_json(tmp_path):
+    from tests.test_report_screenshot import hand_result
+    result = hand_result()
+    result["cohort"]["characteristics"] = describe_cohort(tmp_path, CFG, cohort(), events(), labelled())
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "manifest.json").write_text(json.dumps({"files": {}, "runs": []}))
+    result["provenance"] = provenance(tmp_path / "store", tmp_path, "hand-built")
+    text = render_report(result, tmp_path / "out").read_text()
+    assert '<section id="cohort">' in text and '<section id="provenance">' in text
+    assert "2 (67%)" in text                      # female, all stays
+    assert "2.0 [1.5, 2.5]" in text               # length of stay, days
+    assert "negative value" not in text and "no row was rejected" in text
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["cohort"]["characteristics"]["rows"][0]["name"] == "ICU stays"
+    assert data["provenance"]["source"] == "hand-built"
