@@ -28,8 +28,8 @@ import polars as pl
 from memory.cohort import CohortMemory, subject_of
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
-from reports.certificates import (canonical, keyed_hash, load_key, next_entry, read_ledger,
-                                  render_certificate_html)
+from reports.certificate_page import render_certificate_html
+from reports.certificates import canonical, keyed_hash, load_key, next_entry, read_ledger
 
 from .extract import N_BUCKETS, UnknownSubjectError
 from .locking import workspace_lock
@@ -257,7 +257,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
             }
             text = canonical(cert)
             txn.stage(ws.certificates / name).write_text(text)
-            txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(render_certificate_html(cert))
+            txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(render_certificate_html(cert, name))
             entry = next_entry(ledger, name, text)
             old = ws.ledger.read_text() if ws.ledger.exists() else ""
             txn.stage(ws.ledger).write_text(old + json.dumps(entry, sort_keys=True) + "\n")

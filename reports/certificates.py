@@ -1,4 +1,4 @@
-"""Deletion certificates (JSON + readable HTML) and their hash-chained, append-only ledger.
+"""Deletion certificates (canonical JSON) and their hash-chained, append-only ledger.
 
 Each certificate is canonical JSON (sorted keys, no whitespace) hashed with SHA-256. The ledger
 (``ledger.jsonl``) holds one entry per certificate: ``{"seq", "certificate", "certificate_sha256", "prev",
@@ -10,7 +10,6 @@ Subjects appear only as a keyed hash (HMAC-SHA256 with the workspace's key), nev
 """
 import hashlib
 import hmac
-import html
 import json
 import os
 import secrets
@@ -58,21 +57,6 @@ def next_entry(ledger_entries, cert_name, cert_text):
     digest = sha256_text(cert_text)
     return {"seq": seq, "certificate": cert_name, "certificate_sha256": digest, "prev": prev,
             "entry_hash": sha256_text(prev + digest + str(seq))}
-
-
-def render_certificate_html(cert):
-    rows = []
-    for k, v in cert.items():
-        val = json.dumps(v, indent=1, default=str) if isinstance(v, (dict, list)) else str(v)
-        rows.append(f"<tr><th>{html.escape(k)}</th><td><pre>{html.escape(val)}</pre></td></tr>")
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate "
-            f"{cert.get('certificate_id')}</title>"
-            f"<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}"
-            f"td,th{{border:1px solid #ccc;padding:4px;text-align:left;vertical-align:top}}table{{border-collapse:"
-            f"collapse}}pre{{margin:0;white-space:pre-wrap}}</style></head><body><h1>Deletion certificate</h1>"
-            f"<p>Subject (keyed hash): <code>{html.escape(cert.get('subject_hash', ''))}</code>. Mode: "
-            f"{html.escape(str(cert.get('mode')))}. Verify with <code>forgetful verify</code>.</p>"
-            f"<table>{''.join(rows)}</table></body></html>")
 
 
 def verify_certificate(cert_path, ledger_path=None):

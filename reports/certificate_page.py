@@ -1,0 +1,115 @@
+"""A deletion certificate as a document for a compliance officer, rendered from the certificate's JSON.
+
+Status first, then what was removed, what each memory did, what was kept and why, and how to verify it. The
+page states only what the certificate records as checked; the JSON (hashed into the ledger) stays the
+authority.
+"""
+import html
+
+STYLE = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222;line-height:1.4}"
+         "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;"
+         "vertical-align:top}th{background:#f7f7f7}code{font-size:90%;word-break:break-all}"
+         ".ok{border:2px solid #27ae60;background:#eafaf1;padding:.6em 1em}"
+         ".bad{border:2px solid #c0392b;background:#fdedec;padding:.6em 1em}small{color:#555}")
+
+REMOVED_ITEMS = (("stays", "ICU stays (stay table)"),
+                 ("quarantine_rows", "quarantined source rows"),
+                 ("per_stay_result_rows", "per-stay evaluation result rows"),
+                 ("per_stay_memories", "per-stay SV memories (files)"))
+
+
+def _problems(cert: dict) -> list[str]:
+    """What the certificate itself records as not passed."""
+    out = [f"memory checkpoint {name} failed its refit check" for name, v in (cert.get("verification") or {}).items()
+           if not v.get("passed")]
+    remaining = (cert.get("residual_scan") or {}).get("rows_remaining", 0)
+    if remaining:
+        out.append(f"the post-deletion scan still found {remaining} row(s)")
+    return out
+
+
+def _status(cert: dict) -> str:
+    problems = _problems(cert)
+    if problems:
+        return ('<div class="bad"><h2>Status: NOT verified</h2><ul>' +
+                "".join(f"<li>{html.escape(p)}</li>" for p in problems) + "</ul></div>")
+    scan = cert.get("residual_scan") or {}
+    checked = len(cert.get("verification") or {})
+    memories = (f"{checked} cohort-memory checkpoint(s) holding the patient's tokens were checked against an "
+                f"independent refit and passed" if checked else
+                "no cohort-memory checkpoint held a token of this patient, so none needed a refit check")
+    return (f'<div class="ok"><h2>Status: verified at issue</h2><p>Before this certificate was issued, a scan of '
+            f"{html.escape(', '.join(s.replace('_', ' ') for s in scan.get('scanned', [])) or 'the workspace')} found "
+            f"<b>{scan.get('rows_remaining', 0)}</b> remaining rows of the patient, and {memories}.</p>"
+            f"<p><small>Issued {html.escape(str(cert.get('issued_at')))} in {cert.get('seconds')} s by Forgetful "
+            f"{html.escape(str(cert.get('code_version')))}.</small></p></div>")
+
+
+def _removed(cert: dict) -> str:
+    removed = cert.get("removed") or {}
+    rows = [(f"events from <code>{html.escape(t)}</code>", n)
+            for t, n in sorted((removed.get("events_by_table") or {}).items())]
+    if not rows:
+        rows.append(("events", "0 <small>(the store held no event of this patient)</small>"))
+    rows += [(label, removed.get(key, 0)) for key, label in REMOVED_ITEMS]
+    tokens = removed.get("cohort_memory_tokens") or {}
+    rows += [(f"tokens of cohort memory checkpoint <code>{html.escape(c)}</code>", n) for c, n in tokens.items()]
+    if not tokens:
+        rows.append(("cohort memory tokens", "0 <small>(the budgeted memory held none of this patient's tokens; "
+                                             "it keeps a fixed number of the cohort's tokens, not all)</small>"))
+    if "learned_key_encoder" in removed:
+        rows.append(("learned key encoder", html.escape(str(removed["learned_key_encoder"]))))
+    return ("<h2>What was removed</h2><table><tr><th>item</th><th>removed</th></tr>" +
+            "".join(f"<tr><td>{label}</td><td>{f'{n:,}' if isinstance(n, int) else n}</td></tr>" for label, n in rows) + "</table>")
+
+
+def _number(x) -> str:
+    return f"{x:.2e}" if isinstance(x, float) else "&ndash; <small>(not computed: too few tokens to solve)</small>" \
+        if x is None else html.escape(str(x))
+
+
+def _memories(cert: dict) -> str:
+    verification, digests = cert.get("verification") or {}, cert.get("memory_digests") or {}
+    head = (f"<h2>Memories</h2><p>Mode <b>{html.escape(str(cert.get('mode')))}</b>: "
+            f"{html.escape(str(cert.get('mode_meaning', '')))}.</p>")
+    if not verification:
+        return head + "<p>No memory checkpoint held a token of this patient: none was changed or checked.</p>"
+    rows = []
+    for name, v in verification.items():
+        d = digests.get(name, {})
+        rows.append(f"<tr><td><code>{html.escape(name)}</code></td><td>{'passed' if v.get('passed') else 'FAILED'}"
+                    f"</td><td>{_number(v.get('max_decision_deviation'))}</td><td>{_number(v.get('tolerance'))}</td>"
+                    f"<td>{v.get('tokens', '')}</td><td><small>before <code>{html.escape(str(d.get('before', '')))}"
+                    f"</code><br>after <code>{html.escape(str(d.get('after', '')))}</code></small></td></tr>")
+    return (head + "<table><tr><th>checkpoint</th><th>refit check</th><th>largest decision deviation</th>"
+            "<th>tolerance</th><th>tokens held after</th><th>state digests</th></tr>" + "".join(rows) + "</table>"
+            "<p><small>Refit check: the memory after deletion is compared with an exact fixed-C solve over the "
+            "tokens it retains, on its tokens and on probes at the removed keys.</small></p>")
+
+
+def _kept(cert: dict) -> str:
+    stale = cert.get("artifacts_marked_stale") or []
+    stale_text = (f"Marked stale (computed before the deletion; regenerated by the next scheduled run): "
+                  f"{html.escape(', '.join(stale))}." if stale else "No report was present to mark stale.")
+    return (f"<h2>What was kept, and why</h2><ul><li>{html.escape(str(cert.get('aggregates_kept', '')))}: "
+            f"statistics over many patients, holding no row of this one.</li><li>{stale_text}</li>"
+            f"<li>The patient's keyed hash stays on the suppression list, so that a later extraction from the "
+            f"unchanged source does not bring the patient back.</li></ul>")
+
+
+def render_certificate_html(cert: dict, name: str = "") -> str:
+    """The certificate ``cert`` (its JSON, as issued) as one offline HTML page; ``name``: its file name."""
+    cid = cert.get("certificate_id")
+    path = f"certificates/{name}" if name else f"certificates/{int(cid):06d}.json" if cid is not None else "CERT"
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate {cid}</title>"
+            f"<style>{STYLE}</style></head><body><h1>Certificate of deletion no. {cid}</h1>{_status(cert)}"
+            f"<h2>Patient</h2><p>Identified only by a keyed hash, "
+            f"{html.escape(str(cert.get('hash')))}: "
+            f"<code>{html.escape(str(cert.get('subject_hash')))}</code>. The raw identifier is recorded nowhere in "
+            f"this certificate or its ledger.</p>"
+            f"{_removed(cert)}{_memories(cert)}{_kept(cert)}"
+            f"<h2>How to verify</h2><p>From the workspace directory, re-check this certificate and the whole ledger:"
+            f"</p><pre>forgetful verify {html.escape(path)}</pre><p><small>The check recomputes the certificate's "
+            f"digest, its ledger entry and every entry's chain link, and reports any memory whose refit check or "
+            f"post-deletion scan did not pass. Ledger link before this entry: <code>"
+            f"{html.escape(str(cert.get('ledger_prev')))}</code>.</small></p></body></html>")

@@ -1,0 +1,34 @@
+"""The deletion certificate page reads as a document: status first, tables, the verify command, no JSON."""
+from reports.certificate_page import render_certificate_html
+
+CERT = {"certificate_id": 3, "subject_hash": "ab" * 32, "hash": "HMAC-SHA256 (workspace key)", "mode": "decrement",
+        "mode_meaning": "memories equal the fixed-C refit of their retained tokens",
+        "removed": {"events_by_table": {"labevents": 1200, "chartevents": 5}, "stays": 2, "quarantine_rows": 0,
+                    "per_stay_result_rows": 40, "per_stay_memories": 2, "cohort_memory_tokens": {"000001-x": 7}},
+        "memory_digests": {"000001-x": {"before": "d0", "after": "d1"}},
+        "verification": {"000001-x": {"passed": True, "max_decision_deviation": 2.5e-15, "tolerance": 1e-8,
+                                      "tokens": 121}},
+        "residual_scan": {"rows_remaining": 0, "scanned": ["events", "per_stay_results"]},
+        "artifacts_marked_stale": ["report.html"], "aggregates_kept": "training-split statistics",
+        "code_version": "0.1.0+test", "issued_at": "2026-12-03T10:00:00+0000", "seconds": 0.2,
+        "ledger_prev": "0" * 64}
+
+
+def test_a_verified_certificate_states_its_status_first_and_how_to_check_it():
+    page = render_certificate_html(CERT, "000003.json")
+    assert page.index("Status: verified at issue") < page.index("What was removed") < page.index("How to verify")
+    assert "forgetful verify certificates/000003.json" in page
+    assert "1,200" in page and "2.50e-15" in page and "per stay results" in page
+    assert "000001-x" in page and "{" not in page.split("</style>")[1]          # tables, no JSON dump
+
+
+def test_a_failed_check_is_not_called_verified_and_empty_fields_are_explained():
+    bad = CERT | {"verification": {"000001-x": CERT["verification"]["000001-x"] | {"passed": False}},
+                  "residual_scan": {"rows_remaining": 3, "scanned": ["events"]}}
+    page = render_certificate_html(bad)
+    assert "Status: NOT verified" in page and "verified at issue" not in page
+    assert "still found 3 row(s)" in page and "FAILED" in page
+    empty = CERT | {"removed": {}, "verification": {}, "memory_digests": {}, "artifacts_marked_stale": []}
+    page = render_certificate_html(empty)
+    assert "the store held no event of this patient" in page
+    assert "held none of this patient's tokens" in page and "No report was present" in page
