@@ -68,5 +68,5 @@ def provenance(store, root, source: str) -> Provenance:
     cfg = workspace_config_path(root)
     text = cfg.read_text()
     where = Path(source)
-    return Provenance(str(where.resolve()) if where.exists() else source, files, len(manifest["runs"]), code_version(), package_versions(), str(cfg),
-                      hashlib.sha256(text.encode()).hexdigest(), text)
+    return Provenance(str(where.resolve()) if where.exists() else source, files, len(manifest["runs"]),
+                      code_version(), package_versions(), str(cfg), hashlib.sha256(text.encode()).hexdigest(), text)

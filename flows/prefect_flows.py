@@ -22,6 +22,7 @@ from cohorts.protocols import score_token_streams
 from cohorts.provenance import provenance
 from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
+from flows import progress  # absolute: Prefect loads this file by path as a deployment entrypoint
 from pipeline.deletion import AlreadyDeleted, delete_subject, is_suppressed
 from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
@@ -30,8 +31,6 @@ from pipeline.transaction import recover
 from pipeline.workspace import Workspace
 from reports.certificates import load_key
 from reports.html import render_report
-
-from . import progress
 
 TASK_RUNNERS = ("process", "thread", "dask")
 

@@ -60,7 +60,8 @@ def _removed(cert: dict) -> str:
     if "learned_key_encoder" in removed:
         rows.append(("learned key encoder", html.escape(str(removed["learned_key_encoder"]))))
     return ("<h2>What was removed</h2><table><tr><th>item</th><th>removed</th></tr>" +
-            "".join(f"<tr><td>{label}</td><td>{f'{n:,}' if isinstance(n, int) else n}</td></tr>" for label, n in rows) + "</table>")
+            "".join(f"<tr><td>{label}</td><td>{f'{n:,}' if isinstance(n, int) else n}</td></tr>"
+                    for label, n in rows) + "</table>")
 
 
 def _number(x) -> str:

@@ -216,8 +216,8 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
     for j, protocol in enumerate(protocols):
         x0 = 20 + j * panel_width
         budget = "budget k = |S u E| per stay" if protocol == "fixed_context" else f"budget B = {HEADLINE_BUDGET}"
-        parts.append(f'<text x="{x0}" y="18" font-size="13" font-weight="bold">{html.escape(protocol.replace("_", " "))}'
-                     f' ({budget})</text>')
+        title = html.escape(protocol.replace("_", " "))
+        parts.append(f'<text x="{x0}" y="18" font-size="13" font-weight="bold">{title} ({budget})</text>')
         for i, (tokens, keys, label) in enumerate(labels):
             y0 = 32 + i * panel_h
             parts.append(f'<text x="{x0}" y="{y0 + 14}" font-size="12">{html.escape(label)} '

@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from hypothesis import settings
@@ -8,3 +10,15 @@ from hypothesis import settings
 settings.register_profile("ci", max_examples=200)
 settings.register_profile("stress", max_examples=3000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real ephemeral Prefect server for the session, with PREFECT_HOME in a temp dir; yields its API URL."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["FORGETFUL_HASH_KEY"] = "test-key-not-secret"
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()

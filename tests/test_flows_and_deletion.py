@@ -24,16 +24,6 @@ RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, 
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    os.environ["PREFECT_HOME"] = str(home)
-    os.environ["FORGETFUL_HASH_KEY"] = "test-key-not-secret"
-    from prefect.testing.utilities import prefect_test_harness
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="session")
 def source(tmp_path_factory):
     return generate(tmp_path_factory.mktemp("source"), GeneratorConfig(n_patients=14, seed=3))
 
