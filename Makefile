@@ -14,8 +14,12 @@ $(BIN)/forgetful: pyproject.toml
 
 setup: $(BIN)/forgetful
 
+# The demo's keyed-hash secret lives outside the workspace (as every deployment's must); made once.
+DEMO_KEY ?= $(HOME)/.config/forgetful/demo-hash.key
+
 demo: setup
-	$(BIN)/forgetful run --out $(OUT)
+	test -f $(DEMO_KEY) || $(BIN)/forgetful keygen $(DEMO_KEY)
+	FORGETFUL_HASH_KEY_FILE=$(DEMO_KEY) $(BIN)/forgetful run --out $(OUT)
 
 test: setup
 	$(BIN)/python -m pytest -q

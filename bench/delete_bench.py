@@ -6,6 +6,7 @@ Both sides use the same plain functions the flows compose (no Prefect server sta
 re-run extracts the source without the patient, re-scores every evaluation stay and rebuilds the cohort memory.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -25,13 +26,18 @@ from cohorts.streams import evaluation_streams  # noqa: E402
 from pipeline.deletion import delete_subject  # noqa: E402
 from pipeline.extract import extract  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
+from pipeline.privacy import SUPPRESSED_FILE, keyed_hash, load_key  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
 
 BUDGETS = (16, 64)
 
 
-def pipeline(ws, source, suppressed=None):
-    extract(source, ws.store, suppressed=suppressed)
+def pipeline(ws, source, key, deleted=None):
+    """The run's steps; ``deleted``: a subject on the store's suppression list, as a deletion leaves it."""
+    if deleted is not None:
+        ws.store.mkdir(parents=True)
+        (ws.store / SUPPRESSED_FILE).write_text(json.dumps([keyed_hash(deleted, key)]))
+    extract(source, ws.store, key=key)
     streams, _ = evaluation_streams(ws.store, load_config())
     rows = run_sweep(streams, budgets=BUDGETS, fractions=())
     ws.results.parent.mkdir(parents=True, exist_ok=True)
@@ -49,7 +55,8 @@ def main(argv=None):
     source = generate(work / "source", GeneratorConfig(n_patients=args.patients, seed=11))
     base = Workspace(work / "base")
     t0 = time.perf_counter()
-    pipeline(base, source)
+    key = load_key()
+    pipeline(base, source, key)
     t_full = time.perf_counter() - t0
     subjects = pl.read_parquet(base.results)["subject_id"].unique().sort().to_list()[:args.deletions]
     t_del, t_rerun = [], []
@@ -62,7 +69,7 @@ def main(argv=None):
         assert all(v["passed"] for v in cert["verification"].values())
         fresh = Workspace(work / f"rerun{i}")
         t0 = time.perf_counter()
-        pipeline(fresh, source, suppressed=lambda s, sid=sid: s == sid)
+        pipeline(fresh, source, key, deleted=sid)
         t_rerun.append(time.perf_counter() - t0)
     d, r = sorted(t_del)[len(t_del) // 2], sorted(t_rerun)[len(t_rerun) // 2]
     print(f"{args.patients} patients, budgets {BUDGETS}, cohort memory budget 128; first full run {t_full:.1f} s")

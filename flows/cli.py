@@ -75,6 +75,9 @@ def build_parser():
                         formatter_class=fmt)
     ve.add_argument("certificate", help="path of a certificate (WS/certificates/NNNNNN.json)")
     ve.add_argument("--ledger", default=None, help="ledger path (default: the certificate's workspace ledger)")
+    kg = sub.add_parser("keygen", help="write a new keyed-hash secret to a file (keep it outside every workspace)",
+                        formatter_class=fmt)
+    kg.add_argument("path", help="the key file to create (never overwritten); then set FORGETFUL_HASH_KEY_FILE")
     return ap
 
 
@@ -91,6 +94,10 @@ def _preflight(args):
     if args.cmd in ("run", "serve"):
         from cohorts.definitions import load_config, resolve_config
         from pipeline.extract import check_source
+        from pipeline.privacy import store_key
+        from pipeline.workspace import Workspace
+        ws = Workspace(args.out)
+        store_key(ws.store, ws.root)
         if args.source is not None:
             check_source(args.source)
         load_config(resolve_config(args.config))
@@ -109,9 +116,15 @@ def _print_headline(summary):
 
 
 def _run(args):
+    if args.cmd == "keygen":
+        from pipeline.privacy import KEY_FILE_ENV, write_new_key
+        path = write_new_key(args.path)
+        print(f"wrote a new hash key to {path}; use it with: export {KEY_FILE_ENV}={path}")
+        return 0
     if args.cmd == "extract":
         from pipeline.extract import extract
-        s = extract(args.source, args.out, memory_limit=args.memory_limit)
+        from pipeline.privacy import load_key
+        s = extract(args.source, args.out, key=load_key(args.out), memory_limit=args.memory_limit)
         print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
                           "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
         return 0
@@ -129,8 +142,13 @@ def _run(args):
     from flows.prefect_flows import delete_patient, scheduled_run, shared_api_server
     progress.configure(True)
     if args.cmd == "delete":
+        from pipeline.privacy import keyed_hash, store_key
+        from pipeline.workspace import Workspace
+        ws = Workspace(args.out)
+        # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
+        subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
         with shared_api_server():
-            out = delete_patient(args.out, args.subject_id, mode=args.mode, wait_seconds=args.wait)
+            out = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait)
         print(f"certificate: {out['certificate']}" if "certificate" in out else
               f"forgetful: nothing to do: {out['already_deleted']}")
         return 0

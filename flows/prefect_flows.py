@@ -23,13 +23,13 @@ from cohorts.provenance import provenance
 from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from flows import progress  # absolute: Prefect loads this file by path as a deployment entrypoint
-from pipeline.deletion import AlreadyDeleted, delete_subject, is_suppressed
+from pipeline.deletion import AlreadyDeleted, delete_subject, resolve_subject
 from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
+from pipeline.privacy import load_key, store_key
 from pipeline.transaction import recover
 from pipeline.workspace import Workspace
-from reports.certificates import load_key
 from reports.html import render_report
 
 TASK_RUNNERS = ("process", "thread", "dask")
@@ -91,7 +91,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def extract_task(source, store, root, memory_limit="4GB"):
-    s = extract(source, store, memory_limit=memory_limit, suppressed=is_suppressed(Workspace(root)))
+    s = extract(source, store, key=load_key(root), memory_limit=memory_limit)
     get_run_logger().info("extracted %d new events (%d in store, %d suppressed rows)", s.new_events,
                           s.total_events, s.suppressed_rows)
     return {"new_events": s.new_events, "total_events": s.total_events, "suppressed_rows": s.suppressed_rows,
@@ -117,7 +117,7 @@ def train_encoder_task(root, steps):
 
 
 def _memory_paths(ws, stay_ids):
-    key = load_key(ws.root)
+    key = store_key(ws.store, ws.root)
     ws.stay_memories.mkdir(parents=True, exist_ok=True)
     return [str(ws.stay_memory(s, key)) for s in stay_ids]
 
@@ -283,11 +283,15 @@ def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DE
 
 
 @flow(name="forgetful-delete-patient")
-def delete_patient(root, subject_id, mode="decrement", wait_seconds=60.0):
-    """Returns {"certificate": path}, or {"already_deleted": message}: deleting twice is an expected outcome
+def delete_patient(root, subject_hash, mode="decrement", wait_seconds=60.0):
+    """Delete the subject whose keyed hash is ``subject_hash`` (:func:`pipeline.privacy.keyed_hash` under the
+    workspace's key): Prefect's database, logs and results see the hash, never the raw id.
+
+    Returns {"certificate": path}, or {"already_deleted": message}: deleting twice is an expected outcome
     (the flow run completes), not a failure."""
+    ws = Workspace(root)
     try:
-        cert, path = delete_subject(Workspace(root), subject_id, mode=mode, wait_seconds=wait_seconds)
+        cert, path = delete_subject(ws, resolve_subject(ws, subject_hash), mode=mode, wait_seconds=wait_seconds)
     except AlreadyDeleted as e:
         get_run_logger().info("nothing to do: %s", e)
         return {"already_deleted": str(e)}

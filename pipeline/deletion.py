@@ -18,6 +18,7 @@ What is removed, and how:
 Every new file is staged and committed through :mod:`pipeline.transaction`; the certificate and its ledger
 entry are part of the same transaction. A crash leaves the old state or (after recovery) the new one.
 """
+import gzip
 import json
 import time
 from pathlib import Path
@@ -29,10 +30,11 @@ from memory.cohort import CohortMemory, subject_of
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
 from reports.certificate_page import render_certificate_html
-from reports.certificates import canonical, keyed_hash, load_key, next_entry, read_ledger
+from reports.certificates import canonical, next_entry, read_ledger
 
 from .extract import N_BUCKETS, UnknownSubjectError
 from .locking import workspace_lock
+from .privacy import SUPPRESSED_FILE, keyed_hash, store_key, suppressed_hashes
 from .transaction import Transaction, _crash_point, recover
 
 MODES = ("decrement", "replay")
@@ -45,17 +47,6 @@ class AlreadyDeleted(Exception):
 
 class DeletionFailed(RuntimeError):
     """Verification failed; nothing was changed."""
-
-
-def suppressed_hashes(ws):
-    f = ws.store / "suppressed.json"
-    return set(json.loads(f.read_text())) if f.exists() else set()
-
-
-def is_suppressed(ws):
-    """A callable for :func:`pipeline.extract.extract`: was this subject deleted?"""
-    hashes, key = suppressed_hashes(ws), load_key(ws.root)
-    return lambda subject_id: keyed_hash(subject_id, key) in hashes
 
 
 def scan_subject(ws, subject_id):
@@ -89,25 +80,78 @@ def check_subject(ws, subject_id):
     if not ws.store.exists():
         raise UnknownSubjectError(f"workspace {ws.root} has no event store (run `forgetful run --out {ws.root}` "
                                   f"first)")
-    key = load_key(ws.root)
+    key = store_key(ws.store, ws.root)
     found, stay_ids = scan_subject(ws, sid)
     stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
     stay_files = [p for p in (ws.stay_memory(s, key) for s in stay_ids) if p.exists()]
     if any(found.values()) or stay_files:
         return found, stay_files
     subject_hash = keyed_hash(sid, key)
+    cert = _certificate_of(ws, subject_hash)
+    if cert:
+        raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate {cert}")
+    raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
+
+
+def _certificate_of(ws, subject_hash):
     for entry in read_ledger(ws.ledger):
         cert = json.loads((ws.certificates / entry["certificate"]).read_text())
         if cert.get("subject_hash") == subject_hash:
-            raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate "
-                                 f"{entry['certificate']}")
-    raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
+            return entry["certificate"]
+    return None
+
+
+def resolve_subject(ws, subject_hash: str) -> int:
+    """The subject id behind a keyed hash, found by hashing the store's subject ids, so that a deletion
+    request can travel (through Prefect's database, logs and results) as the hash alone.
+
+    Raises AlreadyDeleted for a deleted subject's hash and UnknownSubjectError (naming only the hash) for a
+    hash no stored subject has."""
+    if not ws.store.exists():
+        raise UnknownSubjectError(f"workspace {ws.root} has no event store")
+    key = store_key(ws.store, ws.root)
+    frames = [pl.scan_parquet(f).select("subject_id") for f in
+              [ws.store / "stays.parquet", *sorted((ws.store / "events").glob("*/*.parquet")),
+               *sorted((ws.store / "quarantine").glob("*.parquet"))] if f.exists()]
+    ids = pl.concat(frames).unique().collect()["subject_id"].drop_nulls().to_list() if frames else []
+    match = [s for s in ids if keyed_hash(int(s), key) == subject_hash]
+    if match:
+        return int(match[0])
+    cert = _certificate_of(ws, subject_hash)
+    if cert or subject_hash in suppressed_hashes(ws.store):
+        raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate {cert}")
+    raise UnknownSubjectError(f"no subject with keyed hash {subject_hash[:12]}... is in the workspace {ws.root}")
 
 
 def _stay_ids_from_results(ws, sid):
     if not ws.results.exists():
         return []
     return pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid)["stay_id"].unique().to_list()
+
+
+def _source_files(ws):
+    """The embedded generator's CSVs in the workspace: the workspace's own copy of patients' raw rows."""
+    return sorted(ws.source.rglob("*.csv*")) if ws.source.exists() else []
+
+
+def _read_source(path) -> pl.DataFrame:
+    return pl.read_csv(path, infer_schema=False)     # every field as text: rewritten rows keep their content
+
+
+def _purge_source(ws, txn, sid) -> int:
+    """Rewrite the workspace's generated source without the subject; the rows removed."""
+    removed = 0
+    for f in _source_files(ws):
+        frame = _read_source(f)
+        if "subject_id" not in frame.columns:
+            continue
+        mine = frame["subject_id"] == str(sid)
+        n = int(mine.sum())
+        if n:
+            removed += n
+            data = frame.filter(~mine).write_csv().encode()
+            txn.stage(f).write_bytes(gzip.compress(data, mtime=0) if f.name.endswith(".gz") else data)
+    return removed
 
 
 def _write_staged_parquet(txn, frame, final):
@@ -128,7 +172,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
     sid = int(subject_id)
     with workspace_lock(ws.root, wait_seconds=wait_seconds, purpose=f"deletion ({mode})"):
         recover(ws.root)
-        key = load_key(ws.root)
+        key = store_key(ws.store, ws.root)
         subject_hash = keyed_hash(sid, key)
         found, stay_files = check_subject(ws, sid)
 
@@ -156,6 +200,9 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                 if n:
                     removed["quarantine_rows"] += n
                     _write_staged_parquet(txn, qf.filter(pl.col("subject_id") != sid), q)
+            removed["source_rows"] = _purge_source(ws, txn, sid)
+            for scratch in (ws.store / ".work").glob("extract.duckdb*"):   # earlier versions' scratch tables
+                txn.delete(scratch)
             stays = pl.read_parquet(ws.store / "stays.parquet")
             removed["stays"] = stays.filter(pl.col("subject_id") == sid).height
             _write_staged_parquet(txn, stays.filter(pl.col("subject_id") != sid), ws.store / "stays.parquet")
@@ -172,8 +219,8 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                 if "description" in old_codes.columns:
                     new_codes = new_codes.join(old_codes.select("code", "description"), on="code", how="left")
                 _write_staged_parquet(txn, new_codes.sort("code"), ws.store / "codes.parquet")
-            supp = suppressed_hashes(ws) | {subject_hash}
-            txn.stage(ws.store / "suppressed.json").write_text(json.dumps(sorted(supp)))
+            supp = suppressed_hashes(ws.store) | {subject_hash}
+            txn.stage(ws.store / SUPPRESSED_FILE).write_text(json.dumps(sorted(supp)))
             txn.stage(ws.generation_file).write_text(json.dumps({"generation": ws.generation() + 1}))
             _crash_point("staged_store")
 
@@ -363,5 +410,11 @@ def _residual_scan(ws, txn, sid, bucket, stay_files):
     for c in ws.checkpoints():
         if str(c) not in deleted and str(c) not in staged:
             rows += len(CohortMemory.load(c).tokens_of(sid))
+    for f in _source_files(ws):
+        frame = _read_source(staged.get(str(f), f))
+        rows += int((frame["subject_id"] == str(sid)).sum()) if "subject_id" in frame.columns else 0
+    scratch = [f for f in (ws.store / ".work").glob("extract.duckdb*") if str(f) not in deleted]
+    rows += len(scratch)     # a scratch database may hold any patient's rows: it must be gone
     return {"rows_remaining": int(rows), "scanned": ["events", "quarantine", "stays", "per_stay_results",
-                                                      "cohort_memory_checkpoints", "per_stay_memories"]}
+                                                      "cohort_memory_checkpoints", "per_stay_memories",
+                                                      "generated_source", "extraction_scratch"]}

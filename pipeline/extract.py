@@ -30,6 +30,8 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
+
 N_BUCKETS = 16
 
 # table -> (folder, required columns)
@@ -170,9 +172,13 @@ def _quarantine_reason():
 
 
 def connect(workdir, memory_limit="4GB", threads=None):
+    """An in-memory DuckDB spilling to ``workdir/spill``: scratch tables (which hold patients' rows) never
+    outlive the connection, so no deleted patient survives in a scratch database."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect(str(workdir / "extract.duckdb"))
+    for stale in workdir.glob("extract.duckdb*"):    # the scratch database file of earlier versions
+        stale.unlink()
+    con = duckdb.connect()
     con.execute(f"SET memory_limit='{memory_limit}'")
     con.execute(f"SET temp_directory='{workdir / 'spill'}'")
     con.execute("SET preserve_insertion_order=false")
@@ -219,17 +225,24 @@ def load_manifest(out) -> dict:
     return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
 
 
-def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
+def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=None):
     """Extract (or incrementally update) the event store in ``out`` from the MIMIC-IV directory ``source``.
 
     Returns an :class:`ExtractSummary`; rows rejected by a rule land in ``quarantine/`` with their reason and
-    are counted per table and reason. ``suppressed`` is a callable telling, for a subject id, whether that
-    subject was deleted: its rows are dropped before anything is written (counted as ``suppressed_rows``) so a
-    deleted patient is never re-ingested from a source that still holds them.
+    are counted per table and reason. Subjects on the store's suppression list (deleted patients, by keyed
+    hash under ``key``) are dropped before anything is written, from events and stays alike (counted as
+    ``suppressed_rows``), so a deleted patient never returns from a source that still holds them. A store
+    with a suppression list is not extracted into without its key.
     """
     t0 = time.perf_counter()
     out = Path(out)
+    if key is None and suppressed_hashes(out):
+        raise ExtractionError(f"the store {out} has deleted patients on its suppression list; extracting into it "
+                              f"needs the hash key that recognises them ({HOW_TO})")
     out.mkdir(parents=True, exist_ok=True)
+    if key is not None:
+        check_key(out, key)
+    suppressed = suppression(out, key) if key is not None else None
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     try:
@@ -237,7 +250,7 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
 
-        con.execute(f"CREATE OR REPLACE TEMP TABLE stays AS SELECT {_int('stay_id')} AS stay_id, "
+        con.execute(f"CREATE TEMP TABLE stays AS SELECT {_int('stay_id')} AS stay_id, "
                     f"{_int('subject_id')} AS subject_id, {_ts('intime')} AS intime, {_ts('outtime')} AS outtime "
                     f"FROM read_csv('{paths['icustays']}', header=true, all_varchar=true)")
         changed = {}
@@ -254,7 +267,7 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
                 summary.tables[table] = {"skipped": True, "rows": prev["rows"]}
                 del changed[table]
 
-        con.execute("CREATE OR REPLACE TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
+        con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
                     "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
                     "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
         for table, info in changed.items():
@@ -266,11 +279,13 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
 
         suppressed_rows = 0
         if suppressed is not None:
-            subjects = [r[0] for r in con.execute("SELECT DISTINCT subject_id FROM staged "
-                                                  "WHERE subject_id IS NOT NULL").fetchall()]
+            # the stay table is rewritten from icustays at every run, changed or not: filtered too
+            subjects = [r[0] for r in con.execute("SELECT subject_id FROM staged WHERE subject_id IS NOT NULL "
+                                                  "UNION SELECT subject_id FROM stays WHERE subject_id IS NOT "
+                                                  "NULL").fetchall()]
             gone = [int(s) for s in subjects if suppressed(int(s))]
             if gone:
-                con.execute("CREATE OR REPLACE TEMP TABLE gone AS SELECT unnest(?::BIGINT[]) AS subject_id", [gone])
+                con.execute("CREATE TEMP TABLE gone AS SELECT unnest(?::BIGINT[]) AS subject_id", [gone])
                 suppressed_rows = con.execute("SELECT count(*) FROM staged WHERE subject_id IN "
                                               "(SELECT subject_id FROM gone)").fetchall()[0][0]
                 con.execute("DELETE FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)")
@@ -280,12 +295,12 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
                        WHERE staged.source_table = 'labevents' AND staged.stay_id IS NULL
                          AND staged.subject_id = s.subject_id AND staged.time >= s.intime
                          AND staged.time <= s.outtime""")
-        con.execute(f"""CREATE OR REPLACE TABLE judged AS
+        con.execute(f"""CREATE TEMP TABLE judged AS
             SELECT e.*, {_quarantine_reason()} AS reason,
                    md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, e.code, e.raw_numeric,
                                         e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
             FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
-        con.execute("""CREATE OR REPLACE TABLE judged2 AS SELECT *,
+        con.execute("""CREATE TEMP TABLE judged2 AS SELECT *,
                        row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
 
         events_glob = out / "events" / "*" / "*.parquet"
@@ -299,7 +314,7 @@ def extract(source, out, memory_limit="4GB", threads=None, suppressed=None):
             seen.append(f"SELECT event_hash, occurrence FROM read_parquet('{quarantine_glob}')")
         anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
                 f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
-        con.execute(f"CREATE OR REPLACE TABLE fresh AS SELECT * FROM judged2 j WHERE TRUE {anti}")
+        con.execute(f"CREATE TEMP TABLE fresh AS SELECT * FROM judged2 j WHERE TRUE {anti}")
 
         n_new = con.execute("SELECT count(*) FROM fresh WHERE reason IS NULL").fetchall()[0][0]
         if n_new:

@@ -3,6 +3,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .privacy import keyed_hash
+
 
 @dataclass(frozen=True)
 class Workspace:
@@ -25,7 +27,6 @@ class Workspace:
 
     def stay_memory(self, stay_id, key):
         """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""
-        from reports.certificates import keyed_hash
         return self.stay_memories / f"{keyed_hash(f'stay:{stay_id}', key)[:32]}.npz"
 
     def checkpoints(self):

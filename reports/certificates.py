@@ -6,34 +6,13 @@ Each certificate is canonical JSON (sorted keys, no whitespace) hashed with SHA-
 hash (64 zeros for the first). Editing any past certificate changes its hash; editing, dropping or reordering a
 ledger line breaks the chain; both are reported by :func:`verify_certificate`.
 
-Subjects appear only as a keyed hash (HMAC-SHA256 with the workspace's key), never as the raw id.
+Subjects appear only as a keyed hash (:mod:`pipeline.privacy`), never as the raw id.
 """
 import hashlib
-import hmac
 import json
-import os
-import secrets
 from pathlib import Path
 
 GENESIS = "0" * 64
-
-
-def load_key(workspace):
-    """The keyed-hash secret: FORGETFUL_HASH_KEY if set, else ``workspace/.secrets/hash.key`` (made once)."""
-    env = os.environ.get("FORGETFUL_HASH_KEY")
-    if env:
-        return env.encode()
-    path = Path(workspace) / ".secrets" / "hash.key"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32))
-    return path.read_text().strip().encode()
-
-
-def keyed_hash(value, key):
-    return hmac.new(key, str(value).encode(), hashlib.sha256).hexdigest()
 
 
 def canonical(obj):

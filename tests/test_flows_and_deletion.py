@@ -16,6 +16,7 @@ from pipeline.deletion import AlreadyDeleted, delete_subject, scan_subject
 from pipeline.extract import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
+from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
 from reports.certificates import verify_certificate
 
@@ -34,6 +35,11 @@ def workspace(prefect_server, source, tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
     out = scheduled_run(root=str(root), source=str(source), **RUN)
     return Workspace(root), out
+
+
+def hash_of(subject_id):
+    """What the CLI hands the delete flow: the subject's keyed hash, never the raw id."""
+    return keyed_hash(subject_id, load_key())
 
 
 def copy_ws(ws, dest):
@@ -81,7 +87,7 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
     sid = subject_with_memory_tokens(ws)
     found, _ = scan_subject(ws, sid)
     assert found["events"] > 0 and found["cohort_memory_tokens"] > 0
-    path = Path(delete_patient(str(ws.root), sid)["certificate"])
+    path = Path(delete_patient(str(ws.root), hash_of(sid))["certificate"])
     cert = json.loads(path.read_text())
     assert str(sid) not in path.read_text()  # only the keyed hash
     assert cert["mode"] == "decrement" and cert["residual_scan"]["rows_remaining"] == 0
@@ -351,9 +357,9 @@ def test_deleting_twice_is_a_completed_no_op_flow_run(token_workspace, tmp_path)
     from flows.prefect_flows import delete_patient
     ws = copy_ws(token_workspace[0], tmp_path / "twice")
     sid = _subject_in_cohort_memory(ws)
-    first = delete_patient(str(ws.root), sid)
+    first = delete_patient(str(ws.root), hash_of(sid))
     assert Path(first["certificate"]).exists()
-    state = delete_patient(str(ws.root), sid, return_state=True)
+    state = delete_patient(str(ws.root), hash_of(sid), return_state=True)
     assert state.is_completed()
     again = state.result()
     assert "already deleted" in again["already_deleted"] and str(sid) not in again["already_deleted"]
@@ -365,3 +371,62 @@ def test_deleting_twice_is_a_completed_no_op_flow_run(token_workspace, tmp_path)
                               "424242"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert unknown.returncode == 2 and unknown.stderr.strip().startswith("forgetful: error:")
     assert "Traceback" not in unknown.stderr
+
+
+def raw_id_hits(root, sid):
+    """Every place under ``root`` that holds the raw id: parquet columns, arrays in .npz files, SQLite
+    databases (dumped), and any other file as text (gzip opened)."""
+    import re
+    import sqlite3
+    pat = re.compile(rf"(?<![0-9.]){sid}(?![0-9])")
+    hits = []
+    for f in sorted(Path(root).rglob("*")):
+        if not f.is_file():
+            continue
+        head = f.read_bytes()[:16]
+        if f.suffix == ".parquet":
+            df = pl.read_parquet(f)
+            hits += [f"{f}:{c}" for c, t in df.schema.items() if (t.is_integer() and (df[c] == sid).any()) or
+                     (t == pl.String and any(pat.search(x) for x in df[c].drop_nulls().unique()))]
+        elif f.suffix == ".npz":
+            with np.load(f, allow_pickle=False) as z:
+                hits += [f"{f}:{n}" for n in z.files if (z[n].dtype.kind in "iu" and (z[n] == sid).any()) or
+                         (z[n].dtype.kind == "U" and any(pat.search(str(x)) for x in z[n].ravel()))]
+        elif head.startswith(b"SQLite format 3"):
+            con = sqlite3.connect(f)
+            if any(pat.search(line) for line in con.iterdump()):
+                hits.append(str(f))
+            con.close()
+        else:
+            data = gzip.decompress(f.read_bytes()) if head[:2] == b"\x1f\x8b" else f.read_bytes()
+            if pat.search(data.decode("latin-1")):
+                hits.append(str(f))
+    return hits
+
+
+@pytest.mark.slow
+def test_after_a_deletion_no_raw_id_is_anywhere_and_a_rerun_does_not_bring_the_patient_back(workspace, source,
+                                                                                             tmp_path):
+    """The delete flow, then a scan of every file of the workspace and of Prefect (home, database, result
+    storage); a rerun on the unchanged source; a second request."""
+    from prefect.settings import get_current_settings
+
+    from flows.prefect_flows import delete_patient, scheduled_run
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    shutil.copytree(source, ws.source)           # the workspace's own copy of the raw rows, as `make demo` has
+    sid = subject_with_memory_tokens(ws)
+    assert raw_id_hits(ws.root, sid)             # the scanner finds the patient before the deletion
+    assert Path(delete_patient(str(ws.root), hash_of(sid))["certificate"]).exists()
+    settings = get_current_settings()
+    db = Path(settings.server.database.connection_url.get_secret_value().split("///")[-1])
+    places = [ws.root, Path(settings.home), db.parent, Path(settings.results.local_storage_path)]
+    assert [h for p in places if p.exists() for h in raw_id_hits(p, sid)] == []
+    # control: a value handed to a flow does reach Prefect's database, and the scan finds it there
+    with pytest.raises(UnknownSubjectError):
+        delete_patient(str(ws.root), "987654321")
+    assert any(str(db.parent) in h for h in raw_id_hits(db.parent, 987654321))
+    scheduled_run(root=str(ws.root), source=str(source), **RUN)
+    assert not any(scan_subject(ws, sid)[0].values())
+    assert [h for p in places if p.exists() for h in raw_id_hits(p, sid)] == []
+    assert "already_deleted" in delete_patient(str(ws.root), hash_of(sid))
+    assert len(list(ws.certificates.glob("*.json"))) == 1

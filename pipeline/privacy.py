@@ -1,0 +1,107 @@
+"""The keyed hash that stands for a patient, its key (kept outside the workspace), and the suppression list.
+
+A subject is named outside the event store only by ``HMAC-SHA256(key, subject_id)``. The key is read from
+``FORGETFUL_HASH_KEY`` (the secret itself) or ``FORGETFUL_HASH_KEY_FILE`` (a file outside the workspace); with
+neither, nothing that hashes a subject starts. Whoever holds a copy of the workspace but not the key cannot
+reverse a hash by enumerating ids. The store records the key's fingerprint (an HMAC of a constant, which does
+not reveal the key), so a run or deletion under a different key is refused instead of silently failing to
+recognise deleted patients.
+"""
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
+
+KEY_ENV = "FORGETFUL_HASH_KEY"
+KEY_FILE_ENV = "FORGETFUL_HASH_KEY_FILE"
+FINGERPRINT_FILE = "key_fingerprint.json"
+SUPPRESSED_FILE = "suppressed.json"
+HOW_TO = (f"create a key with `forgetful keygen PATH` (a path outside the workspace) and set {KEY_FILE_ENV}=PATH "
+          f"(or {KEY_ENV} to the secret itself)")
+
+
+class HashKeyError(ValueError):
+    """No usable hash key, a key kept inside the workspace, or a key other than the store's."""
+
+
+def keyed_hash(value, key: bytes) -> str:
+    return hmac.new(key, str(value).encode(), hashlib.sha256).hexdigest()
+
+
+def load_key(workspace=None) -> bytes:
+    """The hash key from the environment; ``workspace``: refuse a key file inside it."""
+    if os.environ.get(KEY_ENV):
+        return os.environ[KEY_ENV].encode()
+    path = os.environ.get(KEY_FILE_ENV)
+    legacy = Path(workspace) / ".secrets" / "hash.key" if workspace is not None else None
+    if not path:
+        if legacy is not None and legacy.exists():
+            raise HashKeyError(f"the workspace keeps its hash key inside it ({legacy}), where a copy of the workspace "
+                               f"carries it: move the file outside the workspace and set {KEY_FILE_ENV} to its path")
+        raise HashKeyError(f"no hash key: {HOW_TO}")
+    p = Path(path).expanduser().resolve()
+    if workspace is not None and p.is_relative_to(Path(workspace).resolve()):
+        raise HashKeyError(f"the hash key file {p} lies inside the workspace {workspace}: keep it outside, where a "
+                           f"copy of the workspace does not carry it")
+    if not p.is_file():
+        raise HashKeyError(f"hash key file {p} does not exist: {HOW_TO}")
+    key = p.read_text().strip()
+    if len(key) < 32:
+        raise HashKeyError(f"hash key file {p} holds {len(key)} characters; use at least 32 (`forgetful keygen` "
+                           f"writes 64 hex digits)")
+    return key.encode()
+
+
+def write_new_key(path) -> Path:
+    """A fresh 256-bit key in a new file readable by its owner only; never overwrites one."""
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise HashKeyError(f"{p} exists already: a key is never overwritten (deleted patients are recognised "
+                           f"by it)") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    return p
+
+
+def fingerprint(key: bytes) -> str:
+    return hmac.new(key, b"forgetful hash-key fingerprint v1", hashlib.sha256).hexdigest()[:32]
+
+
+def check_key(store, key: bytes) -> None:
+    """Refuse a key other than the one ``store`` was built with; record the key's fingerprint on first use."""
+    store = Path(store)
+    f = store / FINGERPRINT_FILE
+    if f.exists():
+        recorded = json.loads(f.read_text())["fingerprint"]
+        if recorded != fingerprint(key):
+            raise HashKeyError(f"the hash key is not the one the store {store} was built with (fingerprint "
+                               f"{fingerprint(key)[:12]}..., recorded {recorded[:12]}...): under another key deleted "
+                               f"patients are not recognised and would be re-ingested; use the original key")
+    elif store.exists():
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"fingerprint": fingerprint(key)}))
+        os.replace(tmp, f)
+
+
+def store_key(store, workspace=None) -> bytes:
+    """The hash key, checked against the store's fingerprint."""
+    key = load_key(workspace)
+    check_key(store, key)
+    return key
+
+
+def suppressed_hashes(store) -> set[str]:
+    """Keyed hashes of the deleted subjects of ``store``."""
+    f = Path(store) / SUPPRESSED_FILE
+    return set(json.loads(f.read_text())) if f.exists() else set()
+
+
+def suppression(store, key: bytes):
+    """A callable: was this subject id deleted from ``store``?"""
+    hashes = suppressed_hashes(store)
+    return lambda subject_id: keyed_hash(int(subject_id), key) in hashes
