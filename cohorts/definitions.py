@@ -105,7 +105,7 @@ def stay_events(store, cohort):
     out = pl.concat([with_stay.select(cols), without.select(cols)])
     hour = ((pl.col("time") - pl.col("intime")).dt.total_seconds() // 3600).cast(pl.Int64).clip(lower_bound=0)
     return (out.with_columns(hour.alias("hour")).drop("intime")
-            .sort(["stay_id", "time", "code"]).collect())
+            .sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect())
 
 
 def deterioration_hours(events, cfg):

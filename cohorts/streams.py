@@ -26,7 +26,7 @@ def evaluation_streams(store, cfg, max_events=None, encoder=None):
     ev = events.filter(~pl.col("stay_id").is_in(train_ids))
     streams = []
     for (stay_id,), g in ev.group_by(["stay_id"], maintain_order=True):
-        g = g.sort(["time", "code"], maintain_order=True)
+        g = g.sort(["time", "code", "event_hash", "occurrence"])
         if max_events:
             g = g.head(max_events)
         streams.append({"stay_id": int(stay_id), "subject_id": int(subject_of_stay[stay_id]),

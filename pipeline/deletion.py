@@ -188,7 +188,7 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                 mine = ev.filter(pl.col("subject_id") == sid)
                 removed["events_by_table"] = {r["source_table"]: int(r["len"]) for r in
                                               mine.group_by("source_table").len().iter_rows(named=True)}
-                keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code"])
+                keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code", "event_hash", "occurrence"])
                 for f in files:
                     txn.delete(f)
                 if keep.height:

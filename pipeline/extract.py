@@ -2,8 +2,10 @@
 
 Store layout (``out/``)::
 
-    events/bucket=K/run-<id>.parquet   MEDS-style rows of subjects with subject_id % N_BUCKETS == K, sorted by
-                                       (subject_id, time); one patient's stream is read from one bucket
+    events/bucket=K/run-<id>.parquet   MEDS-style rows of subjects with subject_id % N_BUCKETS == K; one
+                                       patient's stream is read from one bucket. Row order within a file is
+                                       not guaranteed (DuckDB's partitioned COPY does not keep ORDER BY across
+                                       threads): every reader sorts by time
     quarantine/run-<id>.parquet        rejected rows with the rule that rejected them (never silently dropped)
     codes.parquet                      code, description, source_table, count
     manifest.json                      per source file: size, mtime, sha256, rows seen; and the run history
@@ -60,6 +62,9 @@ NONNEGATIVE_SOURCES = ("chartevents", "labevents", "outputevents", "inputevents"
 # Events charted slightly outside their ICU stay (documentation delay) are common in MIMIC-IV; beyond this
 # tolerance they are quarantined as outside their stay.
 STAY_TOLERANCE_HOURS = 6
+# No measured quantity of these tables comes near this magnitude (the largest are counts and volumes of order
+# 1e6); a value beyond it is a unit or entry error that would turn per-code means to inf and sds to NaN.
+MAX_MAGNITUDE = 1e9
 
 class ExtractionError(ValueError):
     """The source directory cannot be extracted as it is (missing table or column)."""
@@ -164,6 +169,8 @@ def _quarantine_reason():
         WHEN e.time IS NULL THEN 'unparsable_time'
         WHEN e.raw_numeric IS NOT NULL AND e.raw_numeric <> '' AND e.numeric_value IS NULL THEN 'unparsable_value'
         WHEN isnan(e.numeric_value) THEN 'nan_value'
+        WHEN isinf(e.numeric_value) THEN 'non_finite_value'
+        WHEN abs(e.numeric_value) > {MAX_MAGNITUDE:.0f} THEN 'implausible_magnitude'
         WHEN e.numeric_value < 0 AND e.source_table IN ({nonneg}) AND e.code NOT IN ({signed}) THEN 'negative_value'
         WHEN e.stay_id IS NOT NULL AND s.stay_id IS NULL THEN 'unknown_stay'
         WHEN e.stay_id IS NOT NULL AND e.source_table <> 'icustays'
@@ -440,7 +447,7 @@ def read_subject(store, subject_id):
     frame = None
     if bucket.exists() and any(bucket.glob("*.parquet")):
         frame = (pl.scan_parquet(bucket / "*.parquet").filter(pl.col("subject_id") == int(subject_id))
-                 .sort(["time", "code"], maintain_order=True).collect())
+                 .sort(["time", "code", "event_hash", "occurrence"]).collect())
     if frame is None or frame.height == 0:
         raise UnknownSubjectError(f"subject {subject_id} has no events in the store {store}")
     return frame
