@@ -74,10 +74,15 @@ def build_parser():
     ve = sub.add_parser("verify", help="re-check a deletion certificate and the whole ledger chain",
                         formatter_class=fmt)
     ve.add_argument("certificate", help="path of a certificate (WS/certificates/NNNNNN.json)")
-    ve.add_argument("--ledger", default=None, help="ledger path (default: the certificate's workspace ledger)")
-    kg = sub.add_parser("keygen", help="write a new keyed-hash secret to a file (keep it outside every workspace)",
+    ve.add_argument("--checkpoint", default=None,
+                    help="a signed checkpoint saved earlier (a copy of WS/checkpoint.json): the log must extend it "
+                         "(catches truncation or rewriting before it)")
+    kg = sub.add_parser("keygen", help="write a new key to a file (keep it outside every workspace)",
                         formatter_class=fmt)
-    kg.add_argument("path", help="the key file to create (never overwritten); then set FORGETFUL_HASH_KEY_FILE")
+    kg.add_argument("path", help="the key file to create (never overwritten)")
+    kg.add_argument("--signing", action="store_true",
+                    help="an Ed25519 signing key for the deletion log (FORGETFUL_SIGNING_KEY_FILE) instead of the "
+                         "keyed-hash secret (FORGETFUL_HASH_KEY_FILE)")
     return ap
 
 
@@ -103,8 +108,10 @@ def _preflight(args):
         load_config(resolve_config(args.config))
     elif args.cmd == "delete":
         from pipeline.deletion import check_subject
+        from pipeline.evidence import load_signing_key
         from pipeline.workspace import Workspace
         check_subject(Workspace(args.out), args.subject_id)
+        load_signing_key(Workspace(args.out).root)
 
 
 def _print_headline(summary):
@@ -117,9 +124,11 @@ def _print_headline(summary):
 
 def _run(args):
     if args.cmd == "keygen":
+        from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key
         from pipeline.privacy import KEY_FILE_ENV, write_new_key
-        path = write_new_key(args.path)
-        print(f"wrote a new hash key to {path}; use it with: export {KEY_FILE_ENV}={path}")
+        path, env = (write_signing_key(args.path), SIGNING_KEY_ENV) if args.signing else \
+            (write_new_key(args.path), KEY_FILE_ENV)
+        print(f"wrote a new key to {path}; use it with: export {env}={path}")
         return 0
     if args.cmd == "extract":
         from pipeline.extract import extract
@@ -129,13 +138,14 @@ def _run(args):
                           "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
         return 0
     if args.cmd == "verify":
-        from reports.certificates import verify_certificate
-        problems = verify_certificate(args.certificate, args.ledger)
+        from pipeline.evidence import verify_certificate
+        problems = verify_certificate(args.certificate, args.checkpoint)
         for p in problems:
             print(f"FAILED: {p}")
         if problems:
             return 1
-        print(f"ok: {args.certificate} and the ledger chain verify")
+        print(f"ok: {args.certificate}, its inclusion proof and the signed log verify"
+              + (f", and the log extends {args.checkpoint}" if args.checkpoint else ""))
         return 0
     _preflight(args)
     from flows import progress

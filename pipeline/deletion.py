@@ -15,8 +15,9 @@ What is removed, and how:
 * the patient's keyed hash joins ``store/suppressed.json`` so an incremental run never re-ingests them from a
   source that still holds them; ``store/generation.json`` is bumped so no cached evaluation is reused.
 
-Every new file is staged and committed through :mod:`pipeline.transaction`; the certificate and its ledger
-entry are part of the same transaction. A crash leaves the old state or (after recovery) the new one.
+Every new file is staged and committed through :mod:`pipeline.transaction`; the certificate, its page, its
+inclusion proof, its log entry and the newly signed checkpoint (:mod:`pipeline.evidence`) are part of the same
+transaction. A crash leaves the old state or (after recovery) the new one.
 """
 import gzip
 import json
@@ -30,8 +31,8 @@ from memory.cohort import CohortMemory, subject_of
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
 from reports.certificate_page import render_certificate_html
-from reports.certificates import canonical, next_entry, read_ledger
 
+from .evidence import CHECKPOINT, canonical, load_signing_key, new_entry, read_log, receipt_path
 from .extract import N_BUCKETS, UnknownSubjectError
 from .locking import workspace_lock
 from .privacy import SUPPRESSED_FILE, keyed_hash, store_key, suppressed_hashes
@@ -94,9 +95,9 @@ def check_subject(ws, subject_id):
 
 
 def _certificate_of(ws, subject_hash):
-    for entry in read_ledger(ws.ledger):
-        cert = json.loads((ws.certificates / entry["certificate"]).read_text())
-        if cert.get("subject_hash") == subject_hash:
+    for entry in read_log(ws.root).entries:
+        path = ws.certificates / str(entry.get("certificate"))
+        if path.is_file() and json.loads(path.read_text()).get("subject_hash") == subject_hash:
             return entry["certificate"]
     return None
 
@@ -175,6 +176,10 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
         key = store_key(ws.store, ws.root)
         subject_hash = keyed_hash(sid, key)
         found, stay_files = check_subject(ws, sid)
+        log, signing_key = read_log(ws.root), load_signing_key(ws.root)
+        if log.problems:
+            raise DeletionFailed(f"the deletion log fails verification, so nothing is appended to it: "
+                                 f"{'; '.join(log.problems)}")
 
         t0 = time.perf_counter()
         txn = Transaction(ws.root)
@@ -188,7 +193,8 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                 mine = ev.filter(pl.col("subject_id") == sid)
                 removed["events_by_table"] = {r["source_table"]: int(r["len"]) for r in
                                               mine.group_by("source_table").len().iter_rows(named=True)}
-                keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code", "event_hash", "occurrence"])
+                keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code", "event_hash",
+                                                                    "occurrence"])
                 for f in files:
                     txn.delete(f)
                 if keep.height:
@@ -284,12 +290,11 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
             if residual["rows_remaining"]:
                 raise DeletionFailed(f"post-deletion scan still finds the subject: {residual}")
 
-            # 6. certificate and ledger
-            ledger = read_ledger(ws.ledger)
-            seq = len(ledger)
+            # 6. certificate, its page, and its entry in the signed log
+            seq = log.size
             name = f"{seq:06d}.json"
             cert = {
-                "certificate_id": seq, "subject_hash": subject_hash, "hash": "HMAC-SHA256 (workspace key)",
+                "certificate_id": seq, "subject_hash": subject_hash, "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
                 "mode": mode,
                 "mode_meaning": ("memories equal the fixed-C refit of their retained tokens" if mode == "decrement"
                                  else "cohort memory re-streamed as if the patient had never been seen"),
@@ -300,14 +305,16 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
                                     "persisted with the cohort memory, and aggregate report numbers"),
                 "code_version": _code_version(), "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "seconds": round(time.perf_counter() - t0, 3),
-                "ledger_prev": ledger[-1]["entry_hash"] if ledger else "0" * 64,
+                "log_size_before": log.size, "log_root_before": log.root_hex(),
             }
-            text = canonical(cert)
+            text, page = canonical(cert), render_certificate_html(cert, name)
+            line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
             txn.stage(ws.certificates / name).write_text(text)
-            txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(render_certificate_html(cert, name))
-            entry = next_entry(ledger, name, text)
+            txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)
+            txn.stage(receipt_path(ws.certificates / name)).write_text(receipt)
             old = ws.ledger.read_text() if ws.ledger.exists() else ""
-            txn.stage(ws.ledger).write_text(old + json.dumps(entry, sort_keys=True) + "\n")
+            txn.stage(ws.ledger).write_text(old + line + "\n")
+            txn.stage(ws.root / CHECKPOINT).write_text(checkpoint)
             if "report.json" in stale:
                 stale_report["stale"]["certificate"] = name
                 txn.stage(ws.report_json).write_text(json.dumps(stale_report, indent=1, default=str))

@@ -110,8 +110,10 @@ def render_certificate_html(cert: dict, name: str = "") -> str:
             f"<code>{html.escape(str(cert.get('subject_hash')))}</code>. The raw identifier is recorded nowhere in "
             f"this certificate or its ledger.</p>"
             f"{_removed(cert)}{_memories(cert)}{_kept(cert)}"
-            f"<h2>How to verify</h2><p>From the workspace directory, re-check this certificate and the whole ledger:"
-            f"</p><pre>forgetful verify {html.escape(path)}</pre><p><small>The check recomputes the certificate's "
-            f"digest, its ledger entry and every entry's chain link, and reports any memory whose refit check or "
-            f"post-deletion scan did not pass. Ledger link before this entry: <code>"
-            f"{html.escape(str(cert.get('ledger_prev')))}</code>.</small></p></body></html>")
+            f"<h2>How to verify</h2><p>From the workspace directory, re-check this certificate and the whole log "
+            f"(add <code>--checkpoint FILE</code> with a copy of <code>checkpoint.json</code> you saved earlier to "
+            f"check that nothing before it was rewritten or removed):</p><pre>forgetful verify {html.escape(path)}"
+            f"</pre><p><small>The check recomputes every log entry from the certificates and pages it names, the "
+            f"Merkle root and its Ed25519 signature, this certificate's inclusion proof, and reports any memory "
+            f"whose refit check or post-deletion scan did not pass. The log held "
+            f"{cert.get('log_size_before', '?')} certificates before this one.</small></p></body></html>")

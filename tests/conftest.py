@@ -1,12 +1,21 @@
+import atexit
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The keyed-hash secret lives outside every workspace; the tests' is a fixed, non-secret one.
 os.environ.setdefault("FORGETFUL_HASH_KEY", "test-key-not-secret")
-
-from hypothesis import settings
+if not os.environ.get("FORGETFUL_SIGNING_KEY_FILE"):
+    # the deletion log's signing key, outside every test workspace, removed when the session ends
+    _keys = Path(tempfile.mkdtemp(prefix="forgetful-test-keys-"))
+    atexit.register(shutil.rmtree, _keys, True)
+    from pipeline.evidence import write_signing_key
+    os.environ["FORGETFUL_SIGNING_KEY_FILE"] = str(write_signing_key(_keys / "signing.pem"))
 
 # "ci" keeps the suite within CI's budget; HYPOTHESIS_PROFILE=stress runs the solver properties at length.
 settings.register_profile("ci", max_examples=200)

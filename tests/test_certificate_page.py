@@ -11,7 +11,7 @@ CERT = {"certificate_id": 3, "subject_hash": "ab" * 32, "hash": "HMAC-SHA256 (wo
         "residual_scan": {"rows_remaining": 0, "scanned": ["events", "per_stay_results"]},
         "artifacts_marked_stale": ["report.html"], "aggregates_kept": "training-split statistics",
         "code_version": "0.1.0+test", "issued_at": "2026-12-03T10:00:00+0000", "seconds": 0.2,
-        "ledger_prev": "0" * 64}
+        "log_size_before": 3, "log_root_before": "ab" * 32}
 
 
 def test_a_verified_certificate_states_its_status_first_and_how_to_check_it():

@@ -1,4 +1,5 @@
 """The command line: fast help, one-line errors with exit 2 and no server, version and defaults."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,23 @@ def test_user_errors_are_one_line_exit_2_without_a_server(tmp_path, args, messag
     assert "Traceback" not in p.stderr + p.stdout
     assert marker == "no prefect"               # no flow, no server: Prefect was never imported
     assert not (tmp_path / "ws").exists()       # nothing written, not even a key
+
+
+@pytest.mark.slow
+def test_commands_that_hash_or_sign_refuse_to_start_without_their_key_outside_the_workspace(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("FORGETFUL_HASH_KEY", "FORGETFUL_SIGNING_KEY_FILE")}
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--out", str(tmp_path / "ws")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "no hash key" in run.stderr and "forgetful keygen" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "ws").exists()
+    made = subprocess.run([sys.executable, "-m", "flows.cli", "keygen", str(tmp_path / "keys" / "hash.key")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and "FORGETFUL_HASH_KEY_FILE=" in made.stdout
+    again = subprocess.run([sys.executable, "-m", "flows.cli", "keygen", str(tmp_path / "keys" / "hash.key")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+    signing = subprocess.run([sys.executable, "-m", "flows.cli", "keygen", "--signing",
+                              str(tmp_path / "keys" / "signing.pem")], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert signing.returncode == 0 and "FORGETFUL_SIGNING_KEY_FILE=" in signing.stdout
+    assert (tmp_path / "keys" / "signing.pem").read_text().startswith("-----BEGIN PRIVATE KEY-----")

@@ -18,7 +18,7 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
-from reports.certificates import verify_certificate
+from pipeline.evidence import verify_certificate
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20, tokens="events")
