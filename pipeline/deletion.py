@@ -294,7 +294,8 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
             seq = log.size
             name = f"{seq:06d}.json"
             cert = {
-                "certificate_id": seq, "subject_hash": subject_hash, "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
+                "certificate_id": seq, "subject_hash": subject_hash,
+                "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
                 "mode": mode,
                 "mode_meaning": ("memories equal the fixed-C refit of their retained tokens" if mode == "decrement"
                                  else "cohort memory re-streamed as if the patient had never been seen"),
