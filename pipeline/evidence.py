@@ -6,8 +6,8 @@
 * The entries are the leaves of a Merkle tree (``pymerkle``, RFC 6962 leaf/node prefixes). ``WS/checkpoint.json``
   is the signed tree head: size and root signed with Ed25519 (``cryptography``) by a key kept outside the
   workspace (``FORGETFUL_SIGNING_KEY_FILE``, made with ``forgetful keygen --signing``).
-* Each certificate has a receipt (``certificates/proofs/NNNNNN.json``): the inclusion proof of its entry in the tree as it
-  was issued, with the signed checkpoint of that tree.
+* Each certificate has a receipt (``certificates/proofs/NNNNNN.json``): the inclusion proof of its entry in
+  the tree as it was issued, with the signed checkpoint of that tree.
 * :func:`verify_certificate` recomputes every leaf from the files, the root, the checkpoint's signature, the
   certificate's inclusion proof, and that the receipt's (and an auditor's saved) earlier tree is a prefix of
   today's (consistency), so editing, dropping, reordering or truncating entries before a saved checkpoint is
