@@ -21,9 +21,12 @@ identical rows, so appended rows are added once and a re-run never double-counts
 Out of core: DuckDB runs with ``memory_limit`` and ``temp_directory`` set and spills its sorts; nothing is
 collected into Python.
 """
+import csv
+import gzip
 import hashlib
 import json
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -103,8 +106,89 @@ def _sha256(path):
     return h.hexdigest()
 
 
+def _header_names(path) -> list[str] | None:
+    """The header line's fields (None when the file cannot be opened as text: DuckDB then names the problem)."""
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8", newline="") if str(path).endswith(".gz")
+              else open(path, encoding="utf-8", newline="")) as fh:
+            return next(csv.reader(fh), None)
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error):
+        return None
+
+
+def _csv(path) -> str:
+    """DuckDB's reader of a source table with MIMIC-IV's dialect and the header's columns stated, not sniffed,
+    so a ragged row or a binary file is an error naming its line rather than a guessed dialect."""
+    names = _header_names(path)
+    cols = ", columns={" + ", ".join(f"'{n.replace(chr(39), '')}': 'VARCHAR'" for n in names) + "}" if names else ""
+    return (f"read_csv('{path}', header=true, all_varchar=true, delim=',', quote='\"', escape='\"', "
+            f"strict_mode=true{cols})")
+
+
+def _read_problem(path, err: Exception) -> ExtractionError:
+    """One line naming the file and what is wrong with it, from DuckDB's multi-line error."""
+    msg = str(err)
+    if "Unexpected end of GZIP stream" in msg:
+        what = "the gzip stream ends early: the file is truncated (copy it again)"
+    elif "not a GZIP stream" in msg or "Input is not a GZIP" in msg:
+        what = "named .gz but not gzip-compressed (rename it to .csv, or compress it)"
+    elif "Invalid unicode" in msg or "not utf-8" in msg:
+        line = next((x for x in msg.splitlines() if x.startswith("CSV Error on Line")), "").replace("CSV Error on ", "")
+        what = f"not UTF-8 text{f' ({line.lower()})' if line else ''}: convert it, e.g. iconv -f latin1 -t utf-8"
+    elif ("Expected Number of Columns" in msg or "too many columns" in msg.lower()
+          or "does not match the number of columns" in msg):
+        line = next((x for x in msg.splitlines() if x.startswith("CSV Error on Line")), "").replace("CSV Error on ", "")
+        what = f"a row has more or fewer fields than the header{f' ({line.lower()})' if line else ''}"
+    elif "not possible to automatically detect the CSV parsing dialect" in msg:
+        what = "not comma-separated text with a header line (a binary or otherwise damaged file?)"
+    else:
+        what = f"cannot be read as CSV: {msg.splitlines()[0] if msg else type(err).__name__}"
+    return ExtractionError(f"{path}: {what}")
+
+
+def _is_empty(path) -> bool:
+    try:
+        with (gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")) as fh:
+            return fh.read(1) == b""
+    except (OSError, EOFError):          # not gzip, or truncated: DuckDB's read names the problem
+        return False
+
+
+def _read_whole_tables(con, paths) -> None:
+    """Read every table that is not an event table in full before anything is written, so a damaged
+    dictionary or patients file fails the extraction up front."""
+    for name, path in paths.items():
+        if name not in EVENT_TABLES:
+            try:
+                con.execute(f"SELECT count(*) FROM {_csv(path)}").fetchall()
+            except duckdb.Error as e:
+                raise _read_problem(path, e) from None
+
+
+def _check_stays(con, path) -> None:
+    """The stay table defines every ICU event's stay: an empty one, or a row without a numeric stay and subject
+    id or a parsable window, is an error (it would quarantine or mis-attribute every event of those stays)."""
+    n, = con.execute("SELECT count(*) FROM stays").fetchone()
+    if n == 0:
+        raise ExtractionError(f"{path}: no ICU stays (a header only): every ICU event would be quarantined as "
+                              f"unknown_stay")
+    # counts per field, no values: an id in a message would reach logs and Prefect's database
+    counts = con.execute("SELECT count(*) FILTER (WHERE subject_id IS NULL), count(*) FILTER (WHERE stay_id IS NULL), "
+                         "count(*) FILTER (WHERE intime IS NULL OR outtime IS NULL) FROM stays").fetchone()
+    bad = {f: n for f, n in zip(("non-numeric or missing subject_id", "non-numeric or missing stay_id",
+                                 "unparsable or missing intime/outtime"), counts) if n}
+    if bad:
+        raise ExtractionError(f"{path}: stay rows the stay table cannot use: "
+                              + ", ".join(f"{n} with a {f}" for f, n in bad.items()))
+
+
 def _header(con, path):
-    rel = con.sql(f"SELECT * FROM read_csv('{path}', header=true, all_varchar=true) LIMIT 0")
+    if _is_empty(path):
+        raise ExtractionError(f"{path}: the file is empty (not even a header line)")
+    try:
+        rel = con.sql(f"SELECT * FROM {_csv(path)} LIMIT 0")
+    except duckdb.Error as e:
+        raise _read_problem(path, e) from None
     return [c.lower() for c in rel.columns]
 
 
@@ -246,6 +330,8 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
     if key is None and suppressed_hashes(out):
         raise ExtractionError(f"the store {out} has deleted patients on its suppression list; extracting into it "
                               f"needs the hash key that recognises them ({HOW_TO})")
+    check_source(source)                 # headers only: a missing table or column fails before out exists
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     if key is not None:
         check_key(out, key)
@@ -257,9 +343,11 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
 
+        _read_whole_tables(con, paths)
         con.execute(f"CREATE TEMP TABLE stays AS SELECT {_int('stay_id')} AS stay_id, "
                     f"{_int('subject_id')} AS subject_id, {_ts('intime')} AS intime, {_ts('outtime')} AS outtime "
-                    f"FROM read_csv('{paths['icustays']}', header=true, all_varchar=true)")
+                    f"FROM {_csv(paths['icustays'])}")
+        _check_stays(con, paths["icustays"])
         changed = {}
         for table in EVENT_TABLES:
             if table not in paths:
@@ -278,11 +366,13 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
                     "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
                     "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
         for table, info in changed.items():
-            con.execute(f"CREATE OR REPLACE TEMP VIEW t AS SELECT * FROM read_csv('{info['path']}', header=true, "
-                        f"all_varchar=true)")
-            info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
-            for q in _event_selects(table):
-                con.execute(f"INSERT INTO staged SELECT *, '{table}' FROM ({q})")
+            try:
+                con.execute(f"CREATE OR REPLACE TEMP VIEW t AS SELECT * FROM {_csv(info['path'])}")
+                info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
+                for q in _event_selects(table):
+                    con.execute(f"INSERT INTO staged SELECT *, '{table}' FROM ({q})")
+            except duckdb.Error as e:
+                raise _read_problem(info["path"], e) from None
 
         suppressed_rows = 0
         if suppressed is not None:
@@ -371,8 +461,8 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
                             {_int('i.hadm_id')} AS hadm_id, i.first_careunit, {_ts('i.intime')} AS intime,
                             {_ts('i.outtime')} AS outtime, {_int('p.anchor_age')} AS anchor_age,
                             p.gender AS gender
-                     FROM read_csv('{paths['icustays']}', header=true, all_varchar=true) i
-                     LEFT JOIN read_csv('{paths['patients']}', header=true, all_varchar=true) p
+                     FROM {_csv(paths['icustays'])} i
+                     LEFT JOIN {_csv(paths['patients'])} p
                        ON i.subject_id = p.subject_id
                      WHERE {_int('i.stay_id')} IN (SELECT stay_id FROM stays) ORDER BY 2, 5)
                      TO '{out / 'stays.parquet.tmp'}' (FORMAT parquet)""")
@@ -386,6 +476,11 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
         _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
         _atomic_write(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
         return summary
+    except ExtractionError:
+        if created:                      # a store this call began: nothing of it stays behind
+            con.close()
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
         con.close()
 
@@ -409,8 +504,7 @@ def _write_codes(con, out, paths):
     desc_frames = []
     for table, prefixes in (("d_items", ("CHART", "INPUT", "OUTPUT", "PROCEDURE")), ("d_labitems", ("LAB",))):
         if table in paths:
-            d = pl.from_arrow(con.sql(f"SELECT itemid, label FROM read_csv('{paths[table]}', header=true, "
-                                      f"all_varchar=true)").arrow())
+            d = pl.from_arrow(con.sql(f"SELECT itemid, label FROM {_csv(paths[table])}").arrow())
             for pre in prefixes:
                 desc_frames.append(d.select((pl.lit(pre + "//") + pl.col("itemid")).alias("code"),
                                             pl.col("label").alias("description")))

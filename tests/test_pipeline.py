@@ -262,3 +262,53 @@ def test_a_source_without_event_tables_and_the_cli_error_exit(source, tmp_path):
         extract(src, tmp_path / "o")
     from flows.cli import main
     assert main(["extract", "--source", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o2")]) == 2
+
+
+def _rewrite_gz(path, edit):
+    text = gzip.decompress(path.read_bytes()).decode()
+    path.write_bytes(gzip.compress(edit(text.splitlines())))
+
+
+def _ragged(lines):
+    return "\n".join(lines + [lines[1] + ",extra,fields"]).encode()
+
+
+def _latin1(lines):
+    f = lines[1].split(",")
+    f[-3] = "caf\xe9"
+    return "\n".join(lines + [",".join(f)]).encode("latin-1")
+
+
+def _bad_stay_subject(lines):
+    f = lines[1].split(",")
+    f[0] = "abc"
+    return "\n".join([lines[0], ",".join(f), *lines[2:]]).encode()
+
+
+BAD_INPUTS = {
+    "truncated gzip": ("icu/chartevents.csv.gz", lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]),
+                       "truncated"),
+    "not gzip": ("icu/chartevents.csv.gz", lambda p: p.write_bytes(gzip.decompress(p.read_bytes())),
+                 "not gzip-compressed"),
+    "binary": ("hosp/labevents.csv.gz", lambda p: p.write_bytes(gzip.compress(bytes(range(256)) * 50)),
+               "not comma-separated text"),
+    "latin-1": ("hosp/labevents.csv.gz", lambda p: _rewrite_gz(p, _latin1), "not UTF-8"),
+    "ragged row": ("icu/chartevents.csv.gz", lambda p: _rewrite_gz(p, _ragged), "more or fewer fields"),
+    "empty file": ("icu/outputevents.csv.gz", lambda p: p.write_bytes(gzip.compress(b"")), "the file is empty"),
+    "non-numeric stay subject": ("icu/icustays.csv.gz", lambda p: _rewrite_gz(p, _bad_stay_subject),
+                                 "1 with a non-numeric or missing subject_id"),
+    "no stays": ("icu/icustays.csv.gz", lambda p: _rewrite_gz(p, lambda lines: (lines[0] + "\n").encode()),
+                 "no ICU stays"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_a_damaged_source_file_is_one_message_naming_it_and_nothing_is_written(source, tmp_path, case):
+    rel, damage, message = BAD_INPUTS[case]
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    damage(src / rel)
+    with pytest.raises(ExtractionError) as e:
+        extract(src, tmp_path / "out")
+    assert str(e.value).startswith(str(src / rel)) and message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
