@@ -122,7 +122,21 @@ def _print_headline(summary):
               f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
 
 
+def _workspace_root(args):
+    """The workspace a command reads (None for keygen): a certificate's, a store's parent, or --out."""
+    from pathlib import Path
+    if args.cmd == "verify":
+        return Path(args.certificate).resolve().parent.parent
+    if args.cmd == "extract":
+        return Path(args.out).resolve().parent
+    return Path(args.out) if args.cmd != "keygen" else None
+
+
 def _run(args):
+    root = _workspace_root(args)
+    if root is not None and root.exists():
+        from pipeline.transaction import settle
+        settle(root)
     if args.cmd == "keygen":
         from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key
         from pipeline.privacy import KEY_FILE_ENV, write_new_key

@@ -12,6 +12,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from .locking import workspace_lock
+
 TXN_DIR = ".txn"
 
 
@@ -87,3 +89,17 @@ def recover(root):
             shutil.rmtree(d)
             back.append(d.name)
     return forward, back
+
+
+def pending(root) -> bool:
+    """Is a change of the workspace staged or half-applied (a crash left it)?"""
+    base = Path(root) / TXN_DIR
+    return base.exists() and any(p.is_dir() for p in base.iterdir())
+
+
+def settle(root, wait_seconds=60.0) -> None:
+    """Every entry point that reads a workspace calls this first: a change a crash interrupted is finished or
+    undone, under the workspace lock, before anything is read (a running change holds the lock: we wait)."""
+    if pending(root):
+        with workspace_lock(root, wait_seconds=wait_seconds, purpose="recovery of an interrupted change"):
+            recover(root)

@@ -177,6 +177,48 @@ CRASH_POINTS = ["staged_store", "staged_memories", "staged_certificate", "journa
                 "journal_half_applied", "committed"]
 
 
+def _deletion_process(ws, sid):
+    """A deletion in its own process that says 'ready' once imported, then its duration when done."""
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from pipeline.deletion import delete_subject; "
+            f"from pipeline.workspace import Workspace; print('ready', flush=True); t = time.perf_counter(); "
+            f"delete_subject(Workspace({str(ws.root)!r}), {sid}); print(time.perf_counter() - t, flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.slow
+def test_kills_at_random_moments_of_a_deletion_leave_the_full_old_or_new_state(workspace, tmp_path):
+    import random
+    import signal
+    import time
+
+    from pipeline.transaction import settle
+    base = copy_ws(workspace[0], tmp_path / "base")
+    sid = subject_with_memory_tokens(base)
+    pre = _state(base)
+    probe = _deletion_process(copy_ws(base, tmp_path / "probe"), sid)
+    duration = float(probe.stdout.readline())
+    assert probe.wait(timeout=120) == 0
+    rng, outcomes = random.Random(7), []
+    for trial in range(24):
+        ws = copy_ws(base, tmp_path / f"trial{trial}")
+        proc = _deletion_process(ws, sid)
+        time.sleep(rng.uniform(0.0, 1.2 * duration))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        settle(ws.root)
+        if any(scan_subject(ws, sid)[0].values()):
+            assert _state(ws) == pre, f"trial {trial}: the subject remains but the state is not the old one"
+            outcomes.append("old")
+        else:
+            certs = sorted(ws.certificates.glob("*.json"))
+            assert len(certs) == 1 and verify_certificate(certs[0]) == [], f"trial {trial}"
+            outcomes.append("new")
+        shutil.rmtree(ws.root)
+    assert {"old", "new"} <= set(outcomes), outcomes     # the kills landed on both sides of the commit
+
+
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_a_crash_at_any_step_leaves_old_or_new_state_and_a_rerun_completes(workspace, tmp_path, point):
     ws = copy_ws(workspace[0], tmp_path / "ws")
@@ -187,8 +229,14 @@ def test_a_crash_at_any_step_leaves_old_or_new_state_and_a_rerun_completes(works
     env = dict(os.environ, FORGETFUL_CRASH_AT=point)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 137, proc.stderr
-    from pipeline.transaction import recover
-    recover(ws.root)
+    if point in ("journal_written", "journal_half_applied", "committed"):
+        # a reader is the first to come: `forgetful verify` finishes the interrupted change before it reads
+        v = subprocess.run([sys.executable, "-m", "flows.cli", "verify", str(ws.certificates / "000000.json")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert v.returncode == 0, v.stdout + v.stderr
+    else:
+        from pipeline.transaction import recover
+        recover(ws.root)
     state = _state(ws)
     remaining = any(scan_subject(ws, sid)[0].values())
     if point in ("staged_store", "staged_memories", "staged_certificate"):
