@@ -4,6 +4,7 @@
 ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay rows) are never
 persisted (``persist_result=False``); only the report rendering is cached, by its (aggregate) inputs.
 """
+import fcntl
 import os
 import time
 from contextlib import contextmanager
@@ -50,8 +51,15 @@ def shared_api_server():
         yield PREFECT_API_URL.value()
         return
     from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
     server = SubprocessASGIServer()
-    server.start()
+    # Servers started together on a fresh PREFECT_HOME race on creating its database ("index ... already
+    # exists"): one at a time until the server answers, i.e. until its migrations are done.
+    home = Path(get_current_settings().home)
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".forgetful-server-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        server.start()
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):

@@ -76,3 +76,17 @@ def test_commands_that_hash_or_sign_refuse_to_start_without_their_key_outside_th
                              text=True, timeout=60)
     assert signing.returncode == 0 and "FORGETFUL_SIGNING_KEY_FILE=" in signing.stdout
     assert (tmp_path / "keys" / "signing.pem").read_text().startswith("-----BEGIN PRIVATE KEY-----")
+
+
+@pytest.mark.slow
+def test_commands_started_together_on_a_fresh_prefect_home_all_start(tmp_path):
+    """They used to race on creating Prefect's database (sqlite3.OperationalError: index ... already exists)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
+    code = ("from prefect import flow\nfrom flows.prefect_flows import shared_api_server\n"
+            "@flow\ndef hello():\n    return 1\nwith shared_api_server():\n    assert hello() == 1\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, "\n".join(o[-1500:] for o in outs)
+    assert not any("OperationalError" in o for o in outs)
