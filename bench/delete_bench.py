@@ -25,6 +25,7 @@ from cohorts.runs import update_cohort_memory  # noqa: E402
 from cohorts.streams import evaluation_streams  # noqa: E402
 from pipeline.deletion import delete_subject  # noqa: E402
 from pipeline.extract import extract  # noqa: E402
+from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
 from pipeline.privacy import SUPPRESSED_FILE, keyed_hash, load_key  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
@@ -52,6 +53,8 @@ def main(argv=None):
     ap.add_argument("--deletions", type=int, default=5)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="delete-bench-"))
+    if not os.environ.get(SIGNING_KEY_ENV):       # the log's signing key, outside every workspace of the bench
+        os.environ[SIGNING_KEY_ENV] = str(write_signing_key(work / "keys" / "signing.pem"))
     source = generate(work / "source", GeneratorConfig(n_patients=args.patients, seed=11))
     base = Workspace(work / "base")
     t0 = time.perf_counter()

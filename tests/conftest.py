@@ -32,3 +32,11 @@ def prefect_server(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
+
+
+def pytest_collection_modifyitems(items):
+    """A test on a Prefect server (directly or through a workspace built by the flows) is slow: the fast loop,
+    ``pytest -m "not slow"``, starts no server."""
+    for item in items:
+        if "prefect_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

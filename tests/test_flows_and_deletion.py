@@ -321,6 +321,7 @@ def test_serve_registers_the_scheduled_run_with_its_cron_schedule(prefect_server
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_cli_run_without_a_configured_server_shares_one_and_exits(tmp_path):
     """The README's first command path: no PREFECT_API_URL. One temporary server serves the flow and its
     process-pool workers, and the process exits once Prefect's services have drained into it."""
