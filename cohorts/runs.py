@@ -10,7 +10,7 @@ from pathlib import Path
 
 import polars as pl
 
-from memory.cohort import CohortMemory
+from memory.cohort import CohortMemory, history_digest
 from pipeline.keys import EventKeyer
 
 from .characteristics import describe_cohort
@@ -86,9 +86,22 @@ def cohort_memory_gamma(cfg: dict, tokens: str) -> float:
 FEED_BLOCK = 2048   # tokens fed between progress reports
 
 
+def _unchanged_base(ckpts, order, keys):
+    """The latest checkpoint whose fed history is still the store's history up to its watermark (None: none)."""
+    for c in reversed(ckpts):
+        cm = CohortMemory.load(c)
+        if cm.history is not None and history_digest(order, keys, cm.watermark) == cm.history:
+            return c, cm
+    return None, None
+
+
 def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None):
     """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
     seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).
+
+    Rows dated before the memory's watermark that arrived since (late rows, or changed ones) change the
+    store's history up to the watermark: the memory is then rebuilt from the latest checkpoint whose history
+    is unchanged (or from empty), as if the rows had arrived in time order, and the result says so.
     ``on_fed(n)`` is told every block of tokens fed (progress)."""
     cfg = cfg or workspace_config(ws.root)
     ckpts = ws.checkpoints()
@@ -97,19 +110,27 @@ def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None)
         mem, scaler = CohortMemory.load(same[-1]), load_scaler(same[-1])
     else:
         mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
-    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, scaler=scaler, after=mem.watermark)
-    for lo in range(0, len(ids), FEED_BLOCK):
-        hi = lo + FEED_BLOCK
-        mem.feed(keys[lo:hi], ids[lo:hi], order[lo:hi])
+    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, scaler=scaler)
+    history = {"checked": mem.history is not None, "changed_before_watermark": False}
+    if same and mem.history is not None and history_digest(order, keys, mem.watermark) != mem.history:
+        base, base_mem = _unchanged_base(same[:-1], order, keys)
+        history = {"checked": True, "changed_before_watermark": True,
+                   "rebuilt_from": base.name if base else "empty memory"}
+        mem = base_mem or CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu)
+    todo = [i for i, o in enumerate(order) if o > mem.watermark]
+    for lo in range(0, len(todo), FEED_BLOCK):
+        block = todo[lo:lo + FEED_BLOCK]
+        mem.feed(keys[block], [ids[i] for i in block], [order[i] for i in block])
         if on_fed is not None:
-            on_fed(len(ids[lo:hi]))
+            on_fed(len(block))
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)
     mem.save(target)
     save_scaler(scaler, target, tokens)
-    return {"checkpoint": target.name, "tokens_mode": tokens, "fed": len(ids), "tokens": mem.memory.n_tokens,
-            "certified_evictions": mem.policy.certified, "uncertified_evictions": mem.policy.uncertified}
+    return {"checkpoint": target.name, "tokens_mode": tokens, "fed": len(todo), "tokens": mem.memory.n_tokens,
+            "certified_evictions": mem.policy.certified, "uncertified_evictions": mem.policy.uncertified,
+            "history": history}
 
 
 def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, dict]:

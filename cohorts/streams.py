@@ -49,13 +49,21 @@ def evaluation_streams(store, cfg, max_events=None, encoder=None):
     return streams, summary
 
 
-def cohort_event_stream(store, cfg, keyer=None, after=""):
+def _cohort_of(store, cfg, subject_id):
+    cohort = build_cohort(store, cfg)
+    return cohort if subject_id is None else cohort.filter(pl.col("subject_id") == int(subject_id))
+
+
+def cohort_event_stream(store, cfg, keyer=None, after="", subject_id=None):
     """The whole cohort's events in global time order, keyed, for the cohort memory.
 
     Returns (keyer, keys, token_ids, order_keys, subject_ids) for events whose order key is above ``after``.
     The keyer is fitted on the training split when none is given (and then persisted with the memory).
+    ``subject_id``: one subject's rows only (a deletion takes them out of the memory's history digest).
     """
-    cohort = build_cohort(store, cfg)
+    if keyer is None and subject_id is not None:
+        raise ValueError("one subject's stream needs the persisted keyer")
+    cohort = _cohort_of(store, cfg, subject_id)
     ev = stay_events(store, cohort)
     if keyer is None:
         train_ids = cohort.filter(pl.col("split") == "train")["stay_id"].implode()
@@ -67,7 +75,7 @@ def cohort_event_stream(store, cfg, keyer=None, after=""):
     return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()
 
 
-def cohort_token_stream(store, cfg, scaling=None, after=""):
+def cohort_token_stream(store, cfg, scaling=None, after="", subject_id=None):
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
 
     Returns (scaling, keys, token_ids, order_keys, subject_ids) for tokens whose order key is above ``after``;
@@ -75,7 +83,9 @@ def cohort_token_stream(store, cfg, scaling=None, after=""):
     Order key: the bin's start time, then the stay's smallest event hash (a content hash already in the store,
     no identifier) to order tokens of different stays in the same hour.
     """
-    table = build_tokens(store, cfg, scaling=scaling)
+    if scaling is None and subject_id is not None:
+        raise ValueError("one subject's stream needs the persisted token statistics")
+    table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_id))
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")
     order = pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + tie
@@ -84,8 +94,8 @@ def cohort_token_stream(store, cfg, scaling=None, after=""):
     return table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(), tok["subject_id"].to_numpy()
 
 
-def cohort_stream(store, cfg, tokens, scaler=None, after=""):
+def cohort_stream(store, cfg, tokens, scaler=None, after="", subject_id=None):
     """The cohort memory's input in either stream mode ('hourly' tokens or raw 'events')."""
     if tokens == "hourly":
-        return cohort_token_stream(store, cfg, scaling=scaler, after=after)
-    return cohort_event_stream(store, cfg, keyer=scaler, after=after)
+        return cohort_token_stream(store, cfg, scaling=scaler, after=after, subject_id=subject_id)
+    return cohort_event_stream(store, cfg, keyer=scaler, after=after, subject_id=subject_id)

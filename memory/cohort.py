@@ -3,8 +3,11 @@
 A retrieval memory of the unit's atypical events. It is saved with its full solver state after every run
 (``checkpoints/<seq>/``) so the next run resumes it, and a deletion can decrement it exactly. Token ids are
 ``"<subject_id>:<event_hash>:<occurrence>"``; ``watermark`` is the order key of the last event fed, events are
-fed in ``order_key`` order (ISO time, then event hash and occurrence).
+fed in ``order_key`` order (ISO time, then event hash and occurrence). ``history`` is a digest of every row fed
+(:func:`history_digest`): a run compares it with the store's rows up to the watermark to notice rows that
+arrived late (dated before the watermark), which a watermark alone would skip for ever.
 """
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -23,12 +26,28 @@ def subject_of(token):
     return int(str(token).split(":", 1)[0])
 
 
+DIGEST_MOD = 1 << 64
+
+
+def row_hash(order_key: str, key) -> int:
+    """A row's contribution to a history digest: its order key and its key's fp64 bytes."""
+    h = hashlib.sha256(order_key.encode() + np.ascontiguousarray(key, dtype=np.float64).tobytes()).digest()
+    return int.from_bytes(h[:8], "big")
+
+
+def history_digest(order_keys, keys, upto: str) -> int:
+    """The multiset hash (sum of row hashes mod 2^64) of the rows ordered at or before ``upto``: equal for
+    equal histories in any order, and a row can be subtracted from it (deletion) without the others."""
+    return sum(row_hash(o, k) for o, k in zip(order_keys, keys) if o <= upto) % DIGEST_MOD
+
+
 class CohortMemory:
     def __init__(self, budget=128, gamma=0.5, nu=0.5):
         self.policy = SVSelection(budget, gamma=gamma, nu=nu)
         self.gamma = gamma
         self.watermark = ""
         self.fed = 0
+        self.history = 0          # history_digest of every row fed so far (None: a checkpoint from before it)
 
     @property
     def memory(self):
@@ -42,6 +61,15 @@ class CohortMemory:
             self.policy.learn_one(np.asarray(key, dtype=np.float64), None, tid)
             self.watermark = ok
             self.fed += 1
+            if self.history is not None:
+                self.history = (self.history + row_hash(ok, key)) % DIGEST_MOD
+
+    def forget_history(self, order_keys, keys) -> None:
+        """Take rows that were fed out of the history digest (a deleted patient's rows at or before the
+        watermark), so the digest stays that of the store's rows."""
+        if self.history is not None:
+            gone = sum(row_hash(o, k) for o, k in zip(order_keys, keys) if o <= self.watermark)
+            self.history = (self.history - gone) % DIGEST_MOD
 
     def tokens_of(self, subject_id):
         return [t for t in self.memory.token_ids() if subject_of(t) == int(subject_id)]
@@ -54,7 +82,8 @@ class CohortMemory:
         self.memory.save(tmp / "memory.npz")
         (tmp / "meta.json").write_text(json.dumps({
             "budget": self.policy.budget, "nu": self.policy.nu, "gamma": self.gamma, "watermark": self.watermark,
-            "fed": self.fed, "certified": self.policy.certified, "uncertified": self.policy.uncertified}))
+            "fed": self.fed, "certified": self.policy.certified, "uncertified": self.policy.uncertified,
+            "history": None if self.history is None else f"{self.history:016x}"}))
         if d.exists():
             shutil.rmtree(d)
         tmp.rename(d)
@@ -68,4 +97,5 @@ class CohortMemory:
                                 memory=SVMemory.load(d / "memory.npz"))
         cm.policy.certified, cm.policy.uncertified = meta["certified"], meta["uncertified"]
         cm.gamma, cm.watermark, cm.fed = meta["gamma"], meta["watermark"], meta["fed"]
+        cm.history = int(meta["history"], 16) if meta.get("history") is not None else None
         return cm

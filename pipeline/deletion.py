@@ -247,11 +247,19 @@ def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_re
             memories, verification, digests = {}, {}, {}
             ckpts = ws.checkpoints()
             if mode == "decrement":
+                rows_of = {}
                 for c in ckpts:
                     cm = CohortMemory.load(c)
                     tokens = cm.tokens_of(sid)
+                    order, keys = _subject_rows(ws, c, sid, rows_of)
                     if not tokens:
+                        if any(o <= cm.watermark for o in order):   # fed and evicted: out of the digest
+                            cm.forget_history(order, keys)
+                            staged_dir = txn.stage(c)
+                            cm.save(staged_dir)
+                            copy_checkpoint_extras(c, staged_dir)
                         continue
+                    cm.forget_history(order, keys)
                     before = cm.memory.state_digest()
                     removed_keys = np.stack([cm.memory.key_of(t) for t in tokens])
                     try:
@@ -345,6 +353,21 @@ def _code_version():
 def copy_checkpoint_extras(src, dst):
     from cohorts.runs import copy_checkpoint_extras as copy
     copy(src, dst)
+
+
+def _subject_rows(ws, ckpt, sid, cache):
+    """The subject's rows as checkpoint ``ckpt`` was fed them (its stream mode and key statistics), read from
+    the store before the deletion commits: (order keys, keys). ``cache``: by mode and key statistics."""
+    from cohorts.definitions import workspace_config
+    from cohorts.runs import SCALER_FILES, checkpoint_tokens, load_scaler
+    from cohorts.streams import cohort_stream
+    mode = checkpoint_tokens(ckpt)
+    stats = (ckpt / SCALER_FILES[mode]).read_bytes()
+    if (mode, stats) not in cache:
+        _, keys, _, order, _ = cohort_stream(ws.store, workspace_config(ws.root), mode, scaler=load_scaler(ckpt),
+                                             subject_id=sid)
+        cache[(mode, stats)] = (order, keys)
+    return cache[(mode, stats)]
 
 
 def _verify(cm, removed_keys, n_jitter):

@@ -177,7 +177,12 @@ def _cohort_memory(info):
         return ""
     cert, unc = info.get("certified_evictions", 0), info.get("uncertified_evictions", 0)
     share = f"{cert / (cert + unc):.3f}" if cert + unc else "no evictions"
+    hist = info.get("history") or {}
+    history = ("rows dated before the watermark arrived or changed: rebuilt from "
+               f"{hist.get('rebuilt_from')}" if hist.get("changed_before_watermark") else
+               "unchanged" if hist.get("checked") else "not checked (a checkpoint from before the check)")
     rows = [("stream", info.get("tokens_mode", "events")), ("fed this run", info.get("fed")),
+            ("history before the watermark", history),
             ("held", info.get("tokens")), ("certified evictions", cert), ("uncertified evictions", unc),
             ("certified share", share)]
     return ("<h3>Cohort memory</h3><table>" + "".join(f"<tr><th>{k}</th><td>{html.escape(str(v))}</td></tr>"

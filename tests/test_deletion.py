@@ -5,12 +5,17 @@ import shutil
 import polars as pl
 import pytest
 
-from cohorts.definitions import load_config
+from cohorts.definitions import build_cohort, load_config
 from cohorts.evaluation import run_sweep
 from cohorts.runs import update_cohort_memory
 from cohorts.streams import evaluation_streams
 from memory.cohort import CohortMemory
-from pipeline.deletion import AlreadyDeleted, delete_subject, resolve_subject, scan_subject
+from pipeline.deletion import (
+    AlreadyDeleted,
+    delete_subject,
+    resolve_subject,
+    scan_subject,
+)
 from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
@@ -80,3 +85,48 @@ def test_a_broken_log_is_never_appended_to(plain_ws, tmp_path):
     with pytest.raises(DeletionFailed, match="log fails verification"):
         delete_subject(ws, subjects[1])
     assert any(scan_subject(ws, subjects[1])[0].values())       # nothing was deleted
+
+
+def _append_late_rows(ws):
+    """Chart rows dated inside an early stay but arriving after the memory was fed (a late-charted batch)."""
+    import gzip
+    path = ws.source / "icu" / "chartevents.csv.gz"
+    lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+    head = lines[0].split(",")
+    t, v, st = head.index("charttime"), head.index("valuenum"), head.index("stay_id")
+    cohort = {str(s) for s in build_cohort(ws.store, load_config())["stay_id"]}
+    rows = sorted((f for f in (r.split(",") for r in lines[1:]) if f[st] in cohort), key=lambda f: f[t])[:5]
+    for f in rows:
+        f[v] = f"{float(f[v] or 0) + 0.5:g}"          # a new content hash: a new row, not a repeat
+    path.write_bytes(gzip.compress(("\n".join(lines + [",".join(f) for f in rows]) + "\n").encode()))
+
+
+def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_order(plain_ws, tmp_path):
+    from cohorts.runs import load_scaler
+    from cohorts.streams import cohort_stream
+    ws = a_copy(plain_ws, tmp_path / "ws")
+    again = update_cohort_memory(ws, budget=24, tokens="events")
+    assert again["fed"] == 0 and again["history"] == {"checked": True, "changed_before_watermark": False}
+    watermark = CohortMemory.load(ws.checkpoints()[-1]).watermark
+    _append_late_rows(ws)
+    assert extract(ws.source, ws.store, key=load_key(ws.root)).new_events == 5
+    info = update_cohort_memory(ws, budget=24, tokens="events")
+    assert info["history"]["changed_before_watermark"] and info["history"]["rebuilt_from"] == "empty memory"
+    rebuilt = CohortMemory.load(ws.checkpoints()[-1])
+    _, keys, ids, order, _ = cohort_stream(ws.store, load_config(), "events", scaler=load_scaler(ws.checkpoints()[-1]))
+    assert sum(o <= watermark for o in order) > 0
+    fresh = CohortMemory(budget=24, gamma=rebuilt.gamma)
+    fresh.feed(keys, ids, order)
+    assert rebuilt.memory.state_digest() == fresh.memory.state_digest() and rebuilt.history == fresh.history
+
+
+@pytest.mark.parametrize("mode", ["decrement", "replay"])
+def test_after_a_deletion_the_next_run_finds_the_history_unchanged(plain_ws, tmp_path, mode):
+    ws = a_copy(plain_ws, tmp_path / "ws")
+    subjects = sorted(pl.read_parquet(ws.results)["subject_id"].unique())
+    held = held_subject(ws)
+    evicted = next(s for s in subjects if s != held and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(s))
+    for sid in (held, evicted):                       # one with tokens in the memory, one fed and evicted
+        delete_subject(ws, sid, mode=mode)
+    info = update_cohort_memory(ws, budget=24, tokens="events")
+    assert info["history"] == {"checked": True, "changed_before_watermark": False} and info["fed"] == 0
