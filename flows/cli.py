@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256)
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2)
@@ -124,7 +125,6 @@ def _print_headline(summary):
 
 def _workspace_root(args):
     """The workspace a command reads (None for keygen): a certificate's, a store's parent, or --out."""
-    from pathlib import Path
     if args.cmd == "verify":
         return Path(args.certificate).resolve().parent.parent
     if args.cmd == "extract":
@@ -147,7 +147,14 @@ def _run(args):
     if args.cmd == "extract":
         from pipeline.extract import extract
         from pipeline.privacy import load_key
-        s = extract(args.source, args.out, key=load_key(args.out), memory_limit=args.memory_limit)
+        from contextlib import nullcontext
+
+        from pipeline.locking import workspace_lock
+        ws = Path(args.out).resolve().parent
+        # a store inside a workspace is written under the workspace's lock, as runs and deletions write it
+        in_ws = (ws / ".lock").exists() or (ws / "ledger.jsonl").exists()
+        with workspace_lock(ws, wait_seconds=60, purpose="extraction") if in_ws else nullcontext():
+            s = extract(args.source, args.out, key=load_key(ws if in_ws else args.out), memory_limit=args.memory_limit)
         print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
                           "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
         return 0
