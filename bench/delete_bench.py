@@ -23,9 +23,9 @@ from cohorts.definitions import load_config  # noqa: E402
 from cohorts.evaluation import aggregate, run_sweep  # noqa: E402
 from cohorts.runs import update_cohort_memory  # noqa: E402
 from cohorts.streams import evaluation_streams  # noqa: E402
-from pipeline.deletion import delete_subject  # noqa: E402
-from pipeline.extract import extract  # noqa: E402
+from deletion import delete_subject  # noqa: E402
 from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key  # noqa: E402
+from pipeline.extract import extract  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
 from pipeline.privacy import SUPPRESSED_FILE, keyed_hash, load_key  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402

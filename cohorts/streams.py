@@ -7,6 +7,7 @@ from pipeline.keys import EventKeyer
 
 from .characteristics import describe_cohort
 from .definitions import build_cohort, label_events, stay_events
+from .encoder_data import encode
 from .tokens import build_tokens
 
 
@@ -34,7 +35,6 @@ def evaluation_streams(store, cfg, max_events=None, encoder=None):
                         "hours": g["hour"].to_numpy(), "deteriorating": g["deteriorating"].to_numpy(),
                         "rare": g["rare"].to_numpy()})
         if encoder is not None:
-            from memory.encoder import encode
             streams[-1]["learned_keys"] = encode(encoder, g, keyer)
     streams.sort(key=lambda s: s["stay_id"])
     summary = {

@@ -108,7 +108,7 @@ def _preflight(args):
             check_source(args.source)
         load_config(resolve_config(args.config))
     elif args.cmd == "delete":
-        from pipeline.deletion import check_subject
+        from deletion import check_subject
         from pipeline.evidence import load_signing_key
         from pipeline.workspace import Workspace
         check_subject(Workspace(args.out), args.subject_id)
@@ -201,7 +201,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     _quiet_prefect(args.verbose)
     from cohorts.definitions import CohortConfigError
-    from pipeline.deletion import AlreadyDeleted, DeletionFailed
+    from deletion import AlreadyDeleted, DeletionFailed
     from pipeline.extract import ExtractionError
     from pipeline.locking import WorkspaceLocked
     try:

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
-from prefect.futures import as_completed
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE
+from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from cohorts.definitions import CohortConfigError, install_config, workspace_config
@@ -23,8 +23,8 @@ from cohorts.protocols import score_token_streams
 from cohorts.provenance import provenance
 from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
 from cohorts.streams import evaluation_streams
+from deletion import AlreadyDeleted, delete_subject, resolve_subject
 from flows import progress  # absolute: Prefect loads this file by path as a deployment entrypoint
-from pipeline.deletion import AlreadyDeleted, delete_subject, resolve_subject
 from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
@@ -109,7 +109,8 @@ def extract_task(source, store, root, memory_limit="4GB"):
 @task(retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def train_encoder_task(root, steps):
     """Learned event keys: train the encoder on the training split's windows (CUDA when present)."""
-    from memory.encoder import train_encoder, training_windows
+    from cohorts.encoder_data import training_windows
+    from memory.encoder import train_encoder
     ws = Workspace(root)
     (codes, feats, flags), _, _ = training_windows(ws.store, workspace_config(ws.root))
     with progress.step(f"training the key encoder ({steps} steps)"):

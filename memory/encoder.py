@@ -1,15 +1,14 @@
 """Learned event keys: a small encoder trained so that SV selection keeps the events that matter.
 
 The encoder maps an event (code, standardised value, has-value flag, time features) to a key: a code
-embedding and the numeric features pass through a two-layer MLP. Training streams windows of consecutive
+embedding and the numeric features pass through a two-layer MLP (the windows and features come from
+:mod:`cohorts.encoder_data`: this module sees arrays, never a data frame). Training streams windows of consecutive
 events of the training stays through the batched SV solver (``memory.torch_layer.batched_sv_coefficients``)
 and maximises the coefficient mass on flagged events (deterioration hours or rare items), i.e. it learns keys
 under which those events are support vectors and the routine ones are reserve. Runs on CUDA when present.
 """
 from pathlib import Path
 
-import numpy as np
-import polars as pl
 import torch
 
 from .torch_layer import batched_sv_coefficients, rbf_torch
@@ -48,36 +47,6 @@ class EventEncoder(torch.nn.Module):
         return enc
 
 
-def event_features(events, keyer):
-    """(n, N_FEATURES) numeric features of labelled events, standardised with the keyer's training statistics."""
-    full = keyer.transform(events)
-    # EventKeyer's layout: [code embedding | z, has | t, sin, cos]
-    return full[:, -N_FEATURES:]
-
-
-def make_windows(events, keyer, window=64, stride=None):
-    """Windows of consecutive events per stay: codes (list of lists), features (W, n, F), flags (W, n)."""
-    stride = stride or window
-    codes, feats, flags = [], [], []
-    # A total order (time, code, value): with ties in time left to the sort, windows (and so the trained
-    # encoder) differed between runs on the same data.
-    order = ["stay_id", "time", "code", "numeric_value"]
-    for (_,), g in events.sort(order, nulls_last=True, maintain_order=True).group_by(["stay_id"],
-                                                                                    maintain_order=True):
-        if g.height < window:
-            continue
-        f = event_features(g, keyer)
-        y = (g["deteriorating"] | g["rare"]).to_numpy()
-        c = g["code"].to_list()
-        for s in range(0, g.height - window + 1, stride):
-            codes.append(c[s:s + window])
-            feats.append(f[s:s + window])
-            flags.append(y[s:s + window])
-    if not codes:
-        raise ValueError(f"no stay has {window} events: no training window")
-    return codes, np.stack(feats), np.stack(flags).astype(np.float64)
-
-
 def selection_loss(encoder, code_idx, feats, flags, C, gamma, iters):
     keys = encoder(code_idx, feats)
     alpha = batched_sv_coefficients(rbf_torch(keys, keys, gamma), C, iters=iters)
@@ -114,22 +83,3 @@ def evaluate_loss(encoder, codes, feats, flags, C=1 / 8, gamma=0.5, iters=30):
         idx = torch.stack([encoder.code_indices(w) for w in codes])
         return float(selection_loss(encoder, idx, torch.as_tensor(feats, dtype=torch.float32),
                                     torch.as_tensor(flags, dtype=torch.float32), C, gamma, iters))
-
-
-def encode(encoder, events, keyer):
-    """fp64 learned keys of labelled events (for the exact memory)."""
-    with torch.no_grad():
-        idx = encoder.code_indices(events["code"].to_list())
-        f = torch.as_tensor(event_features(events, keyer), dtype=torch.float32)
-        return encoder(idx, f).double().numpy()
-
-
-def training_windows(store, cfg, window=64):
-    """Windows of the training split's stays, and the keyer fitted on them."""
-    from cohorts.definitions import build_cohort, label_events, stay_events
-    from pipeline.keys import EventKeyer
-    cohort = build_cohort(store, cfg)
-    events = label_events(stay_events(store, cohort), cohort, cfg)
-    train = events.filter(pl.col("stay_id").is_in(cohort.filter(pl.col("split") == "train")["stay_id"].implode()))
-    keyer = EventKeyer().fit(train)
-    return make_windows(train, keyer, window=window), keyer, events

@@ -9,13 +9,8 @@ from cohorts.definitions import build_cohort, load_config
 from cohorts.evaluation import run_sweep
 from cohorts.runs import update_cohort_memory
 from cohorts.streams import evaluation_streams
+from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject, scan_subject
 from memory.cohort import CohortMemory
-from pipeline.deletion import (
-    AlreadyDeleted,
-    delete_subject,
-    resolve_subject,
-    scan_subject,
-)
 from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
@@ -81,7 +76,6 @@ def test_a_broken_log_is_never_appended_to(plain_ws, tmp_path):
     delete_subject(ws, subjects[0])
     entry = json.loads(ws.ledger.read_text())
     ws.ledger.write_text(json.dumps(entry | {"certificate_sha256": "0" * 64}, separators=(",", ":")) + "\n")
-    from pipeline.deletion import DeletionFailed
     with pytest.raises(DeletionFailed, match="log fails verification"):
         delete_subject(ws, subjects[1])
     assert any(scan_subject(ws, subjects[1])[0].values())       # nothing was deleted

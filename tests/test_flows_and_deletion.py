@@ -11,14 +11,14 @@ import numpy as np
 import polars as pl
 import pytest
 
+from deletion import AlreadyDeleted, delete_subject, scan_subject
 from memory.cohort import CohortMemory
-from pipeline.deletion import AlreadyDeleted, delete_subject, scan_subject
+from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
-from pipeline.evidence import verify_certificate
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20, tokens="events")
@@ -179,7 +179,7 @@ CRASH_POINTS = ["staged_store", "staged_memories", "staged_certificate", "journa
 
 def _deletion_process(ws, sid):
     """A deletion in its own process that says 'ready' once imported, then its duration when done."""
-    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from pipeline.deletion import delete_subject; "
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from deletion import delete_subject; "
             f"from pipeline.workspace import Workspace; print('ready', flush=True); t = time.perf_counter(); "
             f"delete_subject(Workspace({str(ws.root)!r}), {sid}); print(time.perf_counter() - t, flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -224,7 +224,7 @@ def test_a_crash_at_any_step_leaves_old_or_new_state_and_a_rerun_completes(works
     ws = copy_ws(workspace[0], tmp_path / "ws")
     sid = subject_with_memory_tokens(ws)
     pre = _state(ws)
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pipeline.deletion import delete_subject; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from deletion import delete_subject; "
             f"from pipeline.workspace import Workspace; delete_subject(Workspace({str(ws.root)!r}), {sid})")
     env = dict(os.environ, FORGETFUL_CRASH_AT=point)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -272,7 +272,7 @@ def test_certified_memory_states_survive_the_round_trip(workspace):
 def test_an_infeasible_decrement_changes_nothing_and_points_to_replay(workspace, tmp_path):
     from cohorts.definitions import load_config
     from cohorts.streams import cohort_event_stream
-    from pipeline.deletion import DeletionFailed
+    from deletion import DeletionFailed
     from pipeline.keys import EventKeyer
     ws = copy_ws(workspace[0], tmp_path / "ws")
     ckpt = ws.checkpoints()[-1]

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
+from cohorts.encoder_data import encode, training_windows
 from memory import SVMemory, verify_against_refit
-from memory.encoder import EventEncoder, encode, evaluate_loss, train_encoder, training_windows
+from memory.encoder import EventEncoder, evaluate_loss, train_encoder
 from memory.torch_layer import (SVAttention, SVCoefficients, approximation_gap, batched_sv_coefficients,
                                 project_capped_simplex, rbf_torch)
 
@@ -117,7 +118,7 @@ def test_training_improves_the_selection_loss_and_the_encoder_round_trips(window
 
 
 def test_training_windows_do_not_depend_on_the_input_row_order(windows):
-    from memory.encoder import make_windows
+    from cohorts.encoder_data import make_windows
     _, keyer, events = windows
     a = make_windows(events, keyer, window=48)
     b = make_windows(events.sample(fraction=1.0, shuffle=True, seed=5), keyer, window=48)

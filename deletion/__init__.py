@@ -1,0 +1,81 @@
+"""Certified, all-or-nothing deletion of one patient from a workspace, as a sequence of named steps.
+
+1. **lock and plan** (:mod:`.plan`): hold the workspace lock, settle any interrupted change, find what the
+   workspace holds of the subject (or that they were deleted before), check the signed log;
+2. **rewrite the store** (:mod:`.store`): events, quarantine, the workspace's generated source, stays and code
+   counts without them, their keyed hash on the suppression list; per-stay results and memories removed;
+3. **memories** (:mod:`.memories`): every cohort-memory checkpoint holding their tokens exactly decremented and
+   verified against a scikit-learn refit (``decrement``), or re-streamed without them (``replay``);
+4. **scan** (:mod:`.scan`): the state as it will be after commit holds no row of them;
+5. **certify** (:mod:`.certify`): the certificate, its page, its inclusion proof and its entry in the signed log
+   (:mod:`pipeline.evidence`), the reports marked stale;
+6. **commit** (:mod:`pipeline.transaction`): every change above was staged; the journal is the commit point, so a
+   crash leaves the full old state or, after recovery, the full new one.
+"""
+import time
+
+from pipeline.evidence import load_signing_key, read_log
+from pipeline.locking import workspace_lock
+from pipeline.privacy import keyed_hash, store_key
+from pipeline.transaction import Transaction, _crash_point, recover
+
+from .certify import certificate, stage_certificate, stale_reports
+from .memories import rewrite_memories
+from .plan import AlreadyDeleted, DeletionFailed, check_subject, resolve_subject, scan_subject
+from .scan import residual_scan
+from .store import remove_stay_artifacts, rewrite_store
+
+MODES = ("decrement", "replay")
+
+__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "check_subject", "delete_subject", "resolve_subject",
+           "scan_subject"]
+
+
+def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key, n_jitter):
+    t0 = time.perf_counter()
+    removed = rewrite_store(ws, txn, sid, subject_hash)
+    removed |= remove_stay_artifacts(ws, txn, sid, stay_files)
+    _crash_point("staged_store")
+    memories = rewrite_memories(ws, txn, sid, mode, n_jitter)
+    _crash_point("staged_memories")
+    residual = residual_scan(ws, txn, sid, stay_files)
+    if residual["rows_remaining"]:
+        raise DeletionFailed(f"post-deletion scan still finds the subject: {residual}")
+    cert = certificate(log, subject_hash, mode, removed, memories, residual, stale_reports(ws),
+                       time.perf_counter() - t0)
+    name = stage_certificate(ws, txn, log, signing_key, cert)
+    _crash_point("staged_certificate")
+    return cert, name
+
+
+def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_refit_probes=64):
+    """Delete one subject from the workspace; returns the certificate (dict) and its path.
+
+    Raises UnknownSubjectError when the subject is not in the workspace (and was never deleted), AlreadyDeleted
+    when it was deleted before, WorkspaceLocked when a run holds the workspace, DeletionFailed when a check fails
+    (nothing is changed then).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    sid = int(subject_id)
+    with workspace_lock(ws.root, wait_seconds=wait_seconds, purpose=f"deletion ({mode})"):
+        recover(ws.root)
+        subject_hash = keyed_hash(sid, store_key(ws.store, ws.root))
+        _, stay_files = check_subject(ws, sid)
+        log, signing_key = read_log(ws.root), load_signing_key(ws.root)
+        if log.problems:
+            raise DeletionFailed(f"the deletion log fails verification, so nothing is appended to it: "
+                                 f"{'; '.join(log.problems)}")
+        txn = Transaction(ws.root)
+        try:
+            cert, name = _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key,
+                                         budget_refit_probes)
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
+        _crash_point("committed")
+        after, _ = scan_subject(ws, sid)
+        if any(after.values()):
+            raise DeletionFailed(f"after commit the subject is still found: {after}")
+        return cert, ws.certificates / name

@@ -1,0 +1,59 @@
+"""Step: the certificate, its page, its receipt and its entry in the signed log; stale reports stamped."""
+import json
+import time
+
+from cohorts.provenance import code_version
+from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
+from reports.certificate_page import render_certificate_html
+
+AGGREGATES_KEPT = ("per-code value statistics used to standardise event keys and per-channel token statistics "
+                   "(training-split medians, means and standard deviations) persisted with the cohort memory, "
+                   "and aggregate report numbers")
+MODE_MEANING = {"decrement": "memories equal the fixed-C refit of their retained tokens",
+                "replay": "cohort memory re-streamed as if the patient had never been seen"}
+
+
+def certificate(log, subject_hash, mode, removed, memories, residual, stale, seconds) -> dict:
+    """The certificate: only what was done and checked (``memories``: tokens, verification, digests)."""
+    tokens, verification, digests = memories
+    return {"certificate_id": log.size, "subject_hash": subject_hash,
+            "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
+            "mode": mode, "mode_meaning": MODE_MEANING[mode],
+            "removed": removed | {"cohort_memory_tokens": tokens}, "memory_digests": digests,
+            "verification": verification, "residual_scan": residual, "artifacts_marked_stale": stale,
+            "aggregates_kept": AGGREGATES_KEPT, "code_version": code_version(),
+            "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(seconds, 3),
+            "log_size_before": log.size, "log_root_before": log.root_hex()}
+
+
+def stale_reports(ws) -> list[str]:
+    """The aggregate reports computed before this deletion (the next scheduled run regenerates them)."""
+    return [p.name for p in (ws.report_json, ws.report_html) if p.exists()]
+
+
+def _stamp_stale(ws, txn, stale, name) -> None:
+    if "report.json" in stale:
+        rep = json.loads(ws.report_json.read_text())
+        rep["stale"] = {"reason": "a patient was deleted after this report was computed", "certificate": name}
+        txn.stage(ws.report_json).write_text(json.dumps(rep, indent=1, default=str))
+    if "report.html" in stale:
+        banner = (f"<p style='background:#fde;border:2px solid #c00;padding:8px'><b>Stale:</b> a patient was "
+                  f"deleted after this report was computed (certificate {name}); the next scheduled run "
+                  f"regenerates it.</p>")
+        txn.stage(ws.report_html).write_text(ws.report_html.read_text().replace("<body>", "<body>" + banner, 1))
+
+
+def stage_certificate(ws, txn, log, signing_key, cert) -> str:
+    """Stage the certificate, its page, its receipt, its log entry and the newly signed checkpoint; mark the
+    reports stale naming it. Returns the certificate's file name."""
+    name = f"{log.size:06d}.json"
+    text, page = canonical(cert), render_certificate_html(cert, name)
+    line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
+    txn.stage(ws.certificates / name).write_text(text)
+    txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)
+    txn.stage(receipt_path(ws.certificates / name)).write_text(receipt)
+    old = ws.ledger.read_text() if ws.ledger.exists() else ""
+    txn.stage(ws.ledger).write_text(old + line + "\n")
+    txn.stage(ws.root / CHECKPOINT).write_text(checkpoint)
+    _stamp_stale(ws, txn, cert["artifacts_marked_stale"], name)
+    return name

@@ -1,0 +1,113 @@
+"""Step: the cohort memory without the subject, by exact decrement (verified against a refit) or by replay."""
+import numpy as np
+
+from cohorts.definitions import workspace_config
+from cohorts.runs import SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler
+from cohorts.streams import cohort_stream
+from memory.cohort import CohortMemory
+from memory.errors import InfeasibleError
+from memory.refit import verify_against_refit
+
+from .plan import DeletionFailed
+
+VERIFY_MAX_DEV = 1e-8
+
+
+def _subject_rows(ws, ckpt, sid, cache):
+    """The subject's rows as checkpoint ``ckpt`` was fed them (its stream mode and key statistics), read from
+    the store before the deletion commits: (order keys, keys). ``cache``: by mode and key statistics."""
+    mode = checkpoint_tokens(ckpt)
+    stats = (ckpt / SCALER_FILES[mode]).read_bytes()
+    if (mode, stats) not in cache:
+        _, keys, _, order, _ = cohort_stream(ws.store, workspace_config(ws.root), mode, scaler=load_scaler(ckpt),
+                                             subject_id=sid)
+        cache[(mode, stats)] = (order, keys)
+    return cache[(mode, stats)]
+
+
+def _verify(cm, removed_keys, n_jitter):
+    if not cm.memory.is_feasible:
+        return {"passed": True, "note": "memory below ceil(1/C) tokens: no solution to verify", "tokens":
+                cm.memory.n_tokens}
+    rep = verify_against_refit(cm.memory, probes=removed_keys, n_jitter=n_jitter)
+    passed = rep.max_dev <= VERIFY_MAX_DEV and rep.nondegenerate_mismatches == 0
+    return {"passed": bool(passed), "max_decision_deviation": rep.max_dev, "median_decision_deviation":
+            rep.median_dev, "partition_agreement": rep.partition_agreement,
+            "nondegenerate_mismatches": rep.nondegenerate_mismatches,
+            "kkt_residual": rep.kkt_residual_memory, "tolerance": VERIFY_MAX_DEV, "tokens": rep.n_tokens}
+
+
+def _stage(txn, ckpt, cm):
+    staged = txn.stage(ckpt)
+    cm.save(staged)
+    copy_checkpoint_extras(ckpt, staged)
+
+
+def decrement(ws, txn, sid, n_jitter):
+    """Every checkpoint holding the subject's tokens, exactly decremented and verified; every checkpoint that
+    was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
+    per checkpoint."""
+    memories, verification, digests, rows_of = {}, {}, {}, {}
+    for c in ws.checkpoints():
+        cm = CohortMemory.load(c)
+        tokens = cm.tokens_of(sid)
+        order, keys = _subject_rows(ws, c, sid, rows_of)
+        if not tokens and not any(o <= cm.watermark for o in order):
+            continue
+        cm.forget_history(order, keys)
+        if tokens:                                   # else: fed and evicted, only the digest changes
+            before = cm.memory.state_digest()
+            removed_keys = np.stack([cm.memory.key_of(t) for t in tokens])
+            try:
+                cm.memory.remove_many(tokens)
+            except InfeasibleError as e:
+                raise DeletionFailed(f"checkpoint {c.name}: {e}; the fixed-C memory cannot lose that many tokens "
+                                     f"by decrement -- use mode 'replay'") from None
+            memories[c.name] = len(tokens)
+            digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
+            verification[c.name] = _verify(cm, removed_keys, n_jitter)
+        _stage(txn, c, cm)
+    return memories, verification, digests
+
+
+def replay(ws, txn, sid, n_jitter):
+    """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
+    ckpts = ws.checkpoints()
+    if not ckpts:
+        return {}, {}, {}
+    latest = CohortMemory.load(ckpts[-1])
+    tokens = checkpoint_tokens(ckpts[-1])
+    _, K, ids, order, subjects = cohort_stream(ws.store, workspace_config(ws.root), tokens,
+                                               scaler=load_scaler(ckpts[-1]))
+    # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
+    # checkpoint of the other stream mode is never a replay base
+    first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)
+    clean = [c for c in ckpts if checkpoint_tokens(c) == tokens and (first is None or
+                                                                      CohortMemory.load(c).watermark < first)]
+    base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
+                                                                   gamma=latest.gamma, nu=latest.policy.nu)
+    before = latest.memory.state_digest()
+    sel = [i for i, (o, s) in enumerate(zip(order, subjects))
+           if int(s) != sid and base.watermark < o <= latest.watermark]
+    base.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
+    # the other mode's checkpoints are history: removed only where they hold the subject
+    tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) == tokens or
+                                                       CohortMemory.load(c).tokens_of(sid))]
+    for c in tainted:
+        txn.delete(c)
+    target = ckpts[-1]
+    _stage(txn, target, base)
+    verification = {target.name: _verify(base, None, n_jitter)}
+    verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
+    verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
+    return ({target.name: len(latest.tokens_of(sid))}, verification,
+            {target.name: {"before": before, "after": base.memory.state_digest()}})
+
+
+def rewrite_memories(ws, txn, sid, mode, n_jitter) -> tuple[dict, dict, dict]:
+    memories, verification, digests = (decrement if mode == "decrement" else replay)(ws, txn, sid, n_jitter)
+    failed = [n for n, v in verification.items() if not v["passed"]]
+    if failed:
+        raise DeletionFailed(f"refit verification failed for cohort memory checkpoint(s) {failed}: "
+                             f"{[verification[n] for n in failed]}")
+    return memories, verification, digests

@@ -1,0 +1,99 @@
+"""What a deletion request finds before it changes anything: the subject behind a hash, what the workspace holds
+of them, or that they were deleted before."""
+import json
+
+import polars as pl
+
+from memory.cohort import CohortMemory
+from pipeline.evidence import read_log
+from pipeline.extract import N_BUCKETS, UnknownSubjectError
+from pipeline.privacy import keyed_hash, store_key, suppressed_hashes
+
+
+class AlreadyDeleted(Exception):
+    """The subject was deleted before: nothing of them remains and the log holds their certificate."""
+
+
+class DeletionFailed(RuntimeError):
+    """A check failed (refit verification, residual scan, the log); nothing was changed."""
+
+
+def scan_subject(ws, subject_id):
+    """Everything of the subject still present: counts per place (all zero after a deletion)."""
+    sid = int(subject_id)
+    found = {}
+    bucket = ws.store / "events" / f"bucket={sid % N_BUCKETS}"
+    files = sorted(bucket.glob("*.parquet")) if bucket.exists() else []
+    found["events"] = pl.scan_parquet(files).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item() \
+        if files else 0
+    qfiles = sorted((ws.store / "quarantine").glob("*.parquet"))
+    found["quarantine"] = pl.scan_parquet(qfiles).filter(pl.col("subject_id") == sid).select(pl.len()).collect() \
+        .item() if qfiles else 0
+    stays_file = ws.store / "stays.parquet"
+    stay_ids = []
+    if stays_file.exists():
+        stays = pl.read_parquet(stays_file).filter(pl.col("subject_id") == sid)
+        stay_ids = stays["stay_id"].to_list()
+        found["stays"] = stays.height
+    found["per_stay_results"] = pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid).height \
+        if ws.results.exists() else 0
+    found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(sid)) for c in ws.checkpoints())
+    return found, stay_ids
+
+
+def check_subject(ws, subject_id):
+    """What the workspace holds of the subject: (counts per place, per-stay memory files). Read-only, so the
+    CLI can answer before any flow starts. Raises AlreadyDeleted when nothing is left and the log holds the
+    subject's certificate, UnknownSubjectError when nothing is left and it never did."""
+    sid = int(subject_id)
+    if not ws.store.exists():
+        raise UnknownSubjectError(f"workspace {ws.root} has no event store (run `forgetful run --out {ws.root}` "
+                                  f"first)")
+    key = store_key(ws.store, ws.root)
+    found, stay_ids = scan_subject(ws, sid)
+    stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
+    stay_files = [p for p in (ws.stay_memory(s, key) for s in stay_ids) if p.exists()]
+    if any(found.values()) or stay_files:
+        return found, stay_files
+    subject_hash = keyed_hash(sid, key)
+    cert = certificate_of(ws, subject_hash)
+    if cert:
+        raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate {cert}")
+    raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
+
+
+def certificate_of(ws, subject_hash):
+    """The name of the certificate issued for ``subject_hash``, or None."""
+    for entry in read_log(ws.root).entries:
+        path = ws.certificates / str(entry.get("certificate"))
+        if path.is_file() and json.loads(path.read_text()).get("subject_hash") == subject_hash:
+            return entry["certificate"]
+    return None
+
+
+def resolve_subject(ws, subject_hash: str) -> int:
+    """The subject id behind a keyed hash, found by hashing the store's subject ids, so that a deletion
+    request can travel (through Prefect's database, logs and results) as the hash alone.
+
+    Raises AlreadyDeleted for a deleted subject's hash and UnknownSubjectError (naming only the hash) for a
+    hash no stored subject has."""
+    if not ws.store.exists():
+        raise UnknownSubjectError(f"workspace {ws.root} has no event store")
+    key = store_key(ws.store, ws.root)
+    frames = [pl.scan_parquet(f).select("subject_id") for f in
+              [ws.store / "stays.parquet", *sorted((ws.store / "events").glob("*/*.parquet")),
+               *sorted((ws.store / "quarantine").glob("*.parquet"))] if f.exists()]
+    ids = pl.concat(frames).unique().collect()["subject_id"].drop_nulls().to_list() if frames else []
+    match = [s for s in ids if keyed_hash(int(s), key) == subject_hash]
+    if match:
+        return int(match[0])
+    cert = certificate_of(ws, subject_hash)
+    if cert or subject_hash in suppressed_hashes(ws.store):
+        raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate {cert}")
+    raise UnknownSubjectError(f"no subject with keyed hash {subject_hash[:12]}... is in the workspace {ws.root}")
+
+
+def _stay_ids_from_results(ws, sid):
+    if not ws.results.exists():
+        return []
+    return pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid)["stay_id"].unique().to_list()

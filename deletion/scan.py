@@ -1,0 +1,40 @@
+"""Step: scan the workspace as it will be after commit (staged files, plus unchanged ones) for the subject."""
+from pathlib import Path
+
+import polars as pl
+
+from memory.cohort import CohortMemory, subject_of
+
+from .store import bucket_of, read_source, source_files
+
+SCANNED = ["events", "quarantine", "stays", "per_stay_results", "cohort_memory_checkpoints", "per_stay_memories",
+           "generated_source", "extraction_scratch"]
+
+
+def _rows_in(path, sid) -> int:
+    return pl.scan_parquet(path).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item()
+
+
+def residual_scan(ws, txn, sid, stay_files) -> dict:
+    staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
+    deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
+    rows = sum(1 for p in stay_files if str(p) not in deleted)
+    for f in [*(ws.store / "events").glob("*/*.parquet"), *(ws.store / "quarantine").glob("*.parquet"),
+              ws.store / "stays.parquet", ws.results]:
+        if str(f) not in deleted and f.exists():
+            rows += _rows_in(staged.get(str(f), f), sid)
+    bucket = bucket_of(ws, sid)
+    for final, src in staged.items():
+        if final.endswith(".parquet") and Path(final).parent == bucket:     # the rewritten bucket file
+            rows += _rows_in(src, sid)
+        if Path(src).is_dir() and (Path(src) / "memory.npz").exists():
+            rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if subject_of(t) == sid)
+    for c in ws.checkpoints():
+        if str(c) not in deleted and str(c) not in staged:
+            rows += len(CohortMemory.load(c).tokens_of(sid))
+    for f in source_files(ws):
+        frame = read_source(staged.get(str(f), f))
+        rows += int((frame["subject_id"] == str(sid)).sum()) if "subject_id" in frame.columns else 0
+    # a scratch database may hold any patient's rows: it must be gone
+    rows += sum(1 for f in (ws.store / ".work").glob("extract.duckdb*") if str(f) not in deleted)
+    return {"rows_remaining": int(rows), "scanned": list(SCANNED)}

@@ -1,0 +1,120 @@
+"""Step: the event store and the workspace's files without the subject, staged in the deletion's transaction."""
+import gzip
+import json
+
+import polars as pl
+
+from pipeline.extract import N_BUCKETS
+from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
+
+
+def write_staged_parquet(txn, frame, final):
+    frame.write_parquet(txn.stage(final))
+
+
+def bucket_of(ws, sid):
+    return ws.store / "events" / f"bucket={sid % N_BUCKETS}"
+
+
+def _events(ws, txn, sid) -> tuple[dict, pl.DataFrame | None]:
+    """The subject's bucket rewritten without them: (removed events per table, the rows kept)."""
+    bucket = bucket_of(ws, sid)
+    files = sorted(bucket.glob("*.parquet"))
+    if not files:
+        return {}, None
+    ev = pl.read_parquet(files, hive_partitioning=False)
+    mine = ev.filter(pl.col("subject_id") == sid)
+    removed = {r["source_table"]: int(r["len"]) for r in mine.group_by("source_table").len().iter_rows(named=True)}
+    keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code", "event_hash", "occurrence"])
+    for f in files:
+        txn.delete(f)
+    if keep.height:
+        write_staged_parquet(txn, keep, bucket / f"deletion-{txn.name}.parquet")
+    return removed, keep
+
+
+def _quarantine(ws, txn, sid) -> int:
+    removed = 0
+    for q in sorted((ws.store / "quarantine").glob("*.parquet")):
+        qf = pl.read_parquet(q)
+        n = qf.filter(pl.col("subject_id") == sid).height
+        if n:
+            removed += n
+            write_staged_parquet(txn, qf.filter(pl.col("subject_id") != sid), q)
+    return removed
+
+
+def _codes(ws, txn, sid, keep) -> None:
+    """Recount codes.parquet over the store as it will be (descriptions kept)."""
+    bucket = bucket_of(ws, sid)
+    other = [f for f in (ws.store / "events").glob("*/*.parquet") if f.parent != bucket]
+    counts = [pl.scan_parquet(other, hive_partitioning=False).select("code", "source_table")] if other else []
+    if keep is not None and keep.height:
+        counts.append(keep.lazy().select("code", "source_table"))
+    if not counts or not (ws.store / "codes.parquet").exists():
+        return
+    old = pl.read_parquet(ws.store / "codes.parquet")
+    new = pl.concat(counts).group_by("code").agg(pl.col("source_table").first(), pl.len().alias("count")).collect()
+    if "description" in old.columns:
+        new = new.join(old.select("code", "description"), on="code", how="left")
+    write_staged_parquet(txn, new.sort("code"), ws.store / "codes.parquet")
+
+
+def source_files(ws):
+    """The embedded generator's CSVs in the workspace: the workspace's own copy of patients' raw rows."""
+    return sorted(ws.source.rglob("*.csv*")) if ws.source.exists() else []
+
+
+def read_source(path) -> pl.DataFrame:
+    return pl.read_csv(path, infer_schema=False)     # every field as text: rewritten rows keep their content
+
+
+def _source(ws, txn, sid) -> int:
+    """The workspace's generated source rewritten without the subject; the rows removed."""
+    removed = 0
+    for f in source_files(ws):
+        frame = read_source(f)
+        if "subject_id" not in frame.columns:
+            continue
+        mine = frame["subject_id"] == str(sid)
+        n = int(mine.sum())
+        if n:
+            removed += n
+            data = frame.filter(~mine).write_csv().encode()
+            txn.stage(f).write_bytes(gzip.compress(data, mtime=0) if f.name.endswith(".gz") else data)
+    return removed
+
+
+def rewrite_store(ws, txn, sid, subject_hash) -> dict:
+    """Events, quarantine, generated source, stays and code counts without the subject; the subject's hash on
+    the suppression list; the store's generation bumped (no cache over the old content is reused)."""
+    removed = {}
+    removed["events_by_table"], keep = _events(ws, txn, sid)
+    removed["quarantine_rows"] = _quarantine(ws, txn, sid)
+    removed["source_rows"] = _source(ws, txn, sid)
+    for scratch in (ws.store / ".work").glob("extract.duckdb*"):     # earlier versions' scratch tables
+        txn.delete(scratch)
+    stays = pl.read_parquet(ws.store / "stays.parquet")
+    removed["stays"] = stays.filter(pl.col("subject_id") == sid).height
+    write_staged_parquet(txn, stays.filter(pl.col("subject_id") != sid), ws.store / "stays.parquet")
+    _codes(ws, txn, sid, keep)
+    txn.stage(ws.store / SUPPRESSED_FILE).write_text(json.dumps(sorted(suppressed_hashes(ws.store) | {subject_hash})))
+    txn.stage(ws.generation_file).write_text(json.dumps({"generation": ws.generation() + 1}))
+    return removed
+
+
+def remove_stay_artifacts(ws, txn, sid, stay_files) -> dict:
+    """Per-stay results and memories (they hold only this patient); the learned-key encoder, trained on the
+    training split and so possibly on this patient (the next run retrains it)."""
+    removed = {}
+    if ws.results.exists():
+        res = pl.read_parquet(ws.results)
+        removed["per_stay_result_rows"] = res.filter(pl.col("subject_id") == sid).height
+        write_staged_parquet(txn, res.filter(pl.col("subject_id") != sid), ws.results)
+    removed["per_stay_memories"] = len(stay_files)
+    for p in stay_files:
+        txn.delete(p)
+    if ws.encoder.exists():
+        txn.delete(ws.encoder)
+        removed["learned_key_encoder"] = "deleted; retrained by the next scheduled run"
+    return removed
