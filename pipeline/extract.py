@@ -21,7 +21,6 @@ identical rows, so appended rows are added once and a re-run never double-counts
 Out of core: DuckDB runs with ``memory_limit`` and ``temp_directory`` set and spills its sorts; nothing is
 collected into Python.
 """
-import csv
 import gzip
 import hashlib
 import json
@@ -35,39 +34,10 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, event_selects,
+                            quarantine_reason, sql_literal, ts)
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 
-N_BUCKETS = 16
-
-# table -> (folder, required columns)
-TABLES = {
-    "patients": ("hosp", ["subject_id", "gender", "anchor_age", "anchor_year", "dod"]),
-    "admissions": ("hosp", ["subject_id", "hadm_id", "admittime", "dischtime", "deathtime"]),
-    "transfers": ("hosp", ["subject_id", "hadm_id", "eventtype", "careunit", "intime"]),
-    "labevents": ("hosp", ["subject_id", "hadm_id", "itemid", "charttime", "value", "valuenum", "valueuom"]),
-    "d_labitems": ("hosp", ["itemid", "label"]),
-    "icustays": ("icu", ["subject_id", "hadm_id", "stay_id", "first_careunit", "intime", "outtime"]),
-    "chartevents": ("icu", ["subject_id", "hadm_id", "stay_id", "charttime", "itemid", "value", "valuenum",
-                            "valueuom"]),
-    "inputevents": ("icu", ["subject_id", "hadm_id", "stay_id", "starttime", "itemid", "amount", "amountuom"]),
-    "outputevents": ("icu", ["subject_id", "hadm_id", "stay_id", "charttime", "itemid", "value", "valueuom"]),
-    "procedureevents": ("icu", ["subject_id", "hadm_id", "stay_id", "starttime", "itemid", "value", "valueuom"]),
-    "d_items": ("icu", ["itemid", "label", "linksto"]),
-}
-REQUIRED_TABLES = ("patients", "admissions", "icustays")
-EVENT_TABLES = ("admissions", "transfers", "icustays", "labevents", "chartevents", "inputevents", "outputevents",
-                "procedureevents")
-
-# Items whose values may legitimately be negative (base excess, net balances); every other measured value of
-# these sources is quarantined when negative.
-SIGNED_ITEMS = {50802, 224828, 226627, 226631, 227489, 51466}
-NONNEGATIVE_SOURCES = ("chartevents", "labevents", "outputevents", "inputevents")
-# Events charted slightly outside their ICU stay (documentation delay) are common in MIMIC-IV; beyond this
-# tolerance they are quarantined as outside their stay.
-STAY_TOLERANCE_HOURS = 6
-# No measured quantity of these tables comes near this magnitude (the largest are counts and volumes of order
-# 1e6); a value beyond it is a unit or entry error that would turn per-code means to inf and sds to NaN.
-MAX_MAGNITUDE = 1e9
 
 class ExtractionError(ValueError):
     """The source directory cannot be extracted as it is (missing table or column)."""
@@ -106,25 +76,6 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _header_names(path) -> list[str] | None:
-    """The header line's fields (None when the file cannot be opened as text: DuckDB then names the problem)."""
-    try:
-        with (gzip.open(path, "rt", encoding="utf-8", newline="") if str(path).endswith(".gz")
-              else open(path, encoding="utf-8", newline="")) as fh:
-            return next(csv.reader(fh), None)
-    except (OSError, EOFError, UnicodeDecodeError, csv.Error):
-        return None
-
-
-def _csv(path) -> str:
-    """DuckDB's reader of a source table with MIMIC-IV's dialect and the header's columns stated, not sniffed,
-    so a ragged row or a binary file is an error naming its line rather than a guessed dialect."""
-    names = _header_names(path)
-    cols = ", columns={" + ", ".join(f"'{n.replace(chr(39), '')}': 'VARCHAR'" for n in names) + "}" if names else ""
-    return (f"read_csv('{path}', header=true, all_varchar=true, delim=',', quote='\"', escape='\"', "
-            f"strict_mode=true{cols})")
-
-
 def _read_problem(path, err: Exception) -> ExtractionError:
     """One line naming the file and what is wrong with it, from DuckDB's multi-line error."""
     msg = str(err)
@@ -160,7 +111,7 @@ def _read_whole_tables(con, paths) -> None:
     for name, path in paths.items():
         if name not in EVENT_TABLES:
             try:
-                con.execute(f"SELECT count(*) FROM {_csv(path)}").fetchall()
+                con.execute(f"SELECT count(*) FROM {csv_reader(path)}").fetchall()
             except duckdb.Error as e:
                 raise _read_problem(path, e) from None
 
@@ -186,80 +137,10 @@ def _header(con, path):
     if _is_empty(path):
         raise ExtractionError(f"{path}: the file is empty (not even a header line)")
     try:
-        rel = con.sql(f"SELECT * FROM {_csv(path)} LIMIT 0")
+        rel = con.sql(f"SELECT * FROM {csv_reader(path)} LIMIT 0")
     except duckdb.Error as e:
         raise _read_problem(path, e) from None
     return [c.lower() for c in rel.columns]
-
-
-def _ts(col):
-    return f"TRY_CAST(NULLIF({col}, '') AS TIMESTAMP)"
-
-
-def _int(col):
-    return f"TRY_CAST(NULLIF({col}, '') AS BIGINT)"
-
-
-def _dbl(col):
-    return f"TRY_CAST(NULLIF({col}, '') AS DOUBLE)"
-
-
-def _txt(col):
-    return f"NULLIF({col}, '')"
-
-
-def _event_selects(table):
-    """SELECT lists producing (subject_id, raw_time, time, code, numeric_value, text_value, unit, hadm_id,
-    stay_id, raw_numeric) from the raw all-varchar table ``t``."""
-    def sel(time_col, code, num, text, unit, stay="stay_id", hadm="hadm_id"):
-        return (f"SELECT {_int('subject_id')} AS subject_id, {time_col} AS raw_time, {_ts(time_col)} AS time, "
-                f"{code} AS code, {_dbl(num) if num else 'NULL::DOUBLE'} AS numeric_value, "
-                f"{text if text else 'NULL::VARCHAR'} AS text_value, {unit if unit else 'NULL::VARCHAR'} AS unit, "
-                f"{_int(hadm) if hadm else 'NULL::BIGINT'} AS hadm_id, "
-                f"{_int(stay) if stay else 'NULL::BIGINT'} AS stay_id, "
-                f"{num if num else 'NULL::VARCHAR'} AS raw_numeric FROM t")
-    if table == "chartevents":
-        return [sel("charttime", "'CHART//' || itemid", "valuenum",
-                    f"CASE WHEN {_dbl('valuenum')} IS NULL THEN {_txt('value')} END", _txt("valueuom"))]
-    if table == "labevents":
-        return [sel("charttime", "'LAB//' || itemid", "valuenum",
-                    f"CASE WHEN {_dbl('valuenum')} IS NULL THEN {_txt('value')} END", _txt("valueuom"), stay=None)]
-    if table == "inputevents":
-        return [sel("starttime", "'INPUT//' || itemid", "amount", None, _txt("amountuom"))]
-    if table == "outputevents":
-        return [sel("charttime", "'OUTPUT//' || itemid", "value", None, _txt("valueuom"))]
-    if table == "procedureevents":
-        return [sel("starttime", "'PROCEDURE//' || itemid", "value", None, _txt("valueuom"))]
-    if table == "transfers":
-        return [sel("intime", "'TRANSFER//' || COALESCE(NULLIF(careunit, ''), eventtype)", None, None, None,
-                    stay=None)]
-    if table == "admissions":
-        return [sel("admittime", "'HOSPITAL_ADMISSION'", None, None, None, stay=None),
-                sel("dischtime", "'HOSPITAL_DISCHARGE'", None, None, None, stay=None),
-                sel("deathtime", "'DEATH'", None, None, None, stay=None) + " WHERE NULLIF(deathtime, '') IS NOT NULL"]
-    if table == "icustays":
-        return [sel("intime", "'ICU_ADMISSION//' || first_careunit", None, None, None),
-                sel("outtime", "'ICU_DISCHARGE'", None, None, None)]
-    raise KeyError(table)
-
-
-def _quarantine_reason():
-    signed = ", ".join(f"'LAB//{i}', 'CHART//{i}', 'OUTPUT//{i}', 'INPUT//{i}'" for i in sorted(SIGNED_ITEMS))
-    nonneg = ", ".join(f"'{s}'" for s in NONNEGATIVE_SOURCES)
-    tol = f"INTERVAL {STAY_TOLERANCE_HOURS} HOUR"
-    return f"""CASE
-        WHEN e.subject_id IS NULL THEN 'bad_subject_id'
-        WHEN e.raw_time IS NULL OR e.raw_time = '' THEN 'missing_time'
-        WHEN e.time IS NULL THEN 'unparsable_time'
-        WHEN e.raw_numeric IS NOT NULL AND e.raw_numeric <> '' AND e.numeric_value IS NULL THEN 'unparsable_value'
-        WHEN isnan(e.numeric_value) THEN 'nan_value'
-        WHEN isinf(e.numeric_value) THEN 'non_finite_value'
-        WHEN abs(e.numeric_value) > {MAX_MAGNITUDE:.0f} THEN 'implausible_magnitude'
-        WHEN e.numeric_value < 0 AND e.source_table IN ({nonneg}) AND e.code NOT IN ({signed}) THEN 'negative_value'
-        WHEN e.stay_id IS NOT NULL AND s.stay_id IS NULL THEN 'unknown_stay'
-        WHEN e.stay_id IS NOT NULL AND e.source_table <> 'icustays'
-             AND (e.time < s.intime - {tol} OR e.time > s.outtime + {tol}) THEN 'outside_stay'
-    END"""
 
 
 def connect(workdir, memory_limit="4GB", threads=None):
@@ -270,8 +151,8 @@ def connect(workdir, memory_limit="4GB", threads=None):
     for stale in workdir.glob("extract.duckdb*"):    # the scratch database file of earlier versions
         stale.unlink()
     con = duckdb.connect()
-    con.execute(f"SET memory_limit='{memory_limit}'")
-    con.execute(f"SET temp_directory='{workdir / 'spill'}'")
+    con.execute(f"SET memory_limit={sql_literal(memory_limit)}")
+    con.execute(f"SET temp_directory={sql_literal(workdir / 'spill')}")
     con.execute("SET preserve_insertion_order=false")
     if threads:
         con.execute(f"SET threads={int(threads)}")
@@ -316,6 +197,153 @@ def load_manifest(out) -> dict:
     return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
 
 
+def _changed_tables(paths, manifest, summary) -> dict:
+    """Event tables whose file differs from the manifest's (size or sha256); unchanged ones are skipped."""
+    changed = {}
+    for table in EVENT_TABLES:
+        if table not in paths:
+            continue
+        p, prev = paths[table], manifest["files"].get(table)
+        st, digest = paths[table].stat(), _sha256(paths[table])
+        if prev and prev["sha256"] == digest and prev["size"] == st.st_size:
+            summary.tables[table] = {"skipped": True, "rows": prev["rows"]}
+        else:
+            changed[table] = {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    return changed
+
+
+def _stage(con, paths, changed) -> None:
+    """Temp tables ``stays`` (validated) and ``staged``: every event of the changed tables, typed."""
+    _read_whole_tables(con, paths)
+    con.execute(f"CREATE TEMP TABLE stays AS SELECT {bigint('stay_id')} AS stay_id, "
+                f"{bigint('subject_id')} AS subject_id, {ts('intime')} AS intime, {ts('outtime')} AS outtime "
+                f"FROM {csv_reader(paths['icustays'])}")
+    _check_stays(con, paths["icustays"])
+    con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
+                "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
+                "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
+    for table, info in changed.items():
+        try:
+            con.execute(f"CREATE OR REPLACE TEMP VIEW t AS SELECT * FROM {csv_reader(info['path'])}")
+            info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
+            for q in event_selects(table):
+                con.execute(f"INSERT INTO staged SELECT *, ? FROM ({q})", [table])
+        except duckdb.Error as e:
+            raise _read_problem(info["path"], e) from None
+
+
+def _suppress(con, suppressed) -> int:
+    """Drop deleted subjects from the staged events and from the stay table (rewritten at every run, changed
+    or not); the rows dropped."""
+    if suppressed is None:
+        return 0
+    subjects = [r[0] for r in con.execute("SELECT subject_id FROM staged WHERE subject_id IS NOT NULL "
+                                          "UNION SELECT subject_id FROM stays WHERE subject_id IS NOT NULL").fetchall()]
+    gone = [int(s) for s in subjects if suppressed(int(s))]
+    if not gone:
+        return 0
+    con.execute("CREATE TEMP TABLE gone AS SELECT unnest(?::BIGINT[]) AS subject_id", [gone])
+    n = con.execute("SELECT count(*) FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)").fetchall()[0][0]
+    con.execute("DELETE FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)")
+    con.execute("DELETE FROM stays WHERE subject_id IN (SELECT subject_id FROM gone)")
+    return int(n)
+
+
+def _judge(con, out) -> None:
+    """Temp tables ``numbered`` (every staged event with its quarantine reason, content hash and occurrence)
+    and ``fresh`` (those not already in the store or its quarantine)."""
+    # Labs carry no stay_id: give them the ICU stay whose window contains them.
+    con.execute("""UPDATE staged SET stay_id = s.stay_id FROM stays s
+                   WHERE staged.source_table = 'labevents' AND staged.stay_id IS NULL
+                     AND staged.subject_id = s.subject_id AND staged.time >= s.intime
+                     AND staged.time <= s.outtime""")
+    con.execute(f"""CREATE TEMP TABLE judged AS
+        SELECT e.*, {quarantine_reason()} AS reason,
+               md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, e.code, e.raw_numeric,
+                                    e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
+        FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
+    con.execute("""CREATE TEMP TABLE numbered AS SELECT *,
+                   row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
+    seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(d / g)})"
+            for d, g in ((out / "events", "*/*.parquet"), (out / "quarantine", "*.parquet")) if any(d.glob(g))]
+    anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
+            f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
+    con.execute(f"CREATE TEMP TABLE fresh AS SELECT * FROM numbered j WHERE TRUE {anti}")
+
+
+def _write_new(con, out, run_id) -> int:
+    """New events into their buckets and new rejected rows into the quarantine; the new events written."""
+    n_new = con.execute("SELECT count(*) FROM fresh WHERE reason IS NULL").fetchall()[0][0]
+    if n_new:
+        tmp = out / "events" / f".tmp-{run_id}"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        con.execute(f"""COPY (SELECT subject_id, time, code, numeric_value, text_value, unit, hadm_id, stay_id,
+                            source_table, event_hash, occurrence, subject_id % {N_BUCKETS} AS bucket
+                     FROM fresh WHERE reason IS NULL ORDER BY subject_id, time, code)
+                     TO {sql_literal(tmp)} (FORMAT parquet, PARTITION_BY (bucket),
+                                            FILENAME_PATTERN 'run-{run_id}-{{i}}', ROW_GROUP_SIZE 100000)""")
+        for part in tmp.iterdir():
+            dest = out / "events" / part.name
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in part.iterdir():
+                os.replace(f, dest / f.name)
+            part.rmdir()
+        tmp.rmdir()
+    if con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]:
+        (out / "quarantine").mkdir(exist_ok=True)
+        con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
+                            stay_id, source_table, reason, event_hash, occurrence FROM fresh
+                     WHERE reason IS NOT NULL) TO {sql_literal(out / 'quarantine' / f'run-{run_id}.parquet')}
+                     (FORMAT parquet)""")
+    return int(n_new)
+
+
+def _summarise(con, changed, summary, manifest) -> None:
+    """Per changed table: rows, events, quarantined by reason, new events; the manifest entry."""
+    stats = con.sql("""SELECT source_table, count(*) FILTER (WHERE reason IS NULL) AS events,
+                              count(*) FILTER (WHERE reason IS NOT NULL) AS quarantined
+                       FROM numbered GROUP BY ALL""").pl()
+    reasons = con.sql("SELECT source_table, reason, count(*) AS n FROM numbered WHERE reason IS NOT NULL "
+                      "GROUP BY ALL").pl()
+    new = con.sql("SELECT source_table, count(*) AS n FROM fresh WHERE reason IS NULL GROUP BY ALL").pl()
+    for table, info in changed.items():
+        row = stats.filter(pl.col("source_table") == table)
+        summary.tables[table] = {
+            "skipped": False, "rows": info["rows"],
+            "events": int(row["events"].sum()), "quarantined_total": int(row["quarantined"].sum()),
+            "quarantined": {r["reason"]: int(r["n"]) for r in
+                            reasons.filter(pl.col("source_table") == table).iter_rows(named=True)},
+            "new_events": int(new.filter(pl.col("source_table") == table)["n"].sum()),
+        }
+        manifest["files"][table] = info
+
+
+def _write_stays(con, out, paths) -> None:
+    """The stay table for cohorts: icustays with the patient's anchor age and sex (all stays not suppressed,
+    rewritten at every run)."""
+    con.execute(f"""COPY (SELECT {bigint('i.stay_id')} AS stay_id, {bigint('i.subject_id')} AS subject_id,
+                        {bigint('i.hadm_id')} AS hadm_id, i.first_careunit, {ts('i.intime')} AS intime,
+                        {ts('i.outtime')} AS outtime, {bigint('p.anchor_age')} AS anchor_age,
+                        p.gender AS gender
+                 FROM {csv_reader(paths['icustays'])} i
+                 LEFT JOIN {csv_reader(paths['patients'])} p ON i.subject_id = p.subject_id
+                 WHERE {bigint('i.stay_id')} IN (SELECT stay_id FROM stays) ORDER BY 2, 5)
+                 TO {sql_literal(out / 'stays.parquet.tmp')} (FORMAT parquet)""")
+    os.replace(out / "stays.parquet.tmp", out / "stays.parquet")
+
+
+def _open_store(out, key):
+    """Create or check the store directory; (created by this call, the suppression test)."""
+    if key is None and suppressed_hashes(out):
+        raise ExtractionError(f"the store {out} has deleted patients on its suppression list; extracting into it "
+                              f"needs the hash key that recognises them ({HOW_TO})")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    if key is not None:
+        check_key(out, key)
+    return created, suppression(out, key) if key is not None else None
+
+
 def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=None):
     """Extract (or incrementally update) the event store in ``out`` from the MIMIC-IV directory ``source``.
 
@@ -325,154 +353,29 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
     ``suppressed_rows``), so a deleted patient never returns from a source that still holds them. A store
     with a suppression list is not extracted into without its key.
     """
-    t0 = time.perf_counter()
-    out = Path(out)
-    if key is None and suppressed_hashes(out):
-        raise ExtractionError(f"the store {out} has deleted patients on its suppression list; extracting into it "
-                              f"needs the hash key that recognises them ({HOW_TO})")
+    t0, out = time.perf_counter(), Path(out)
     check_source(source)                 # headers only: a missing table or column fails before out exists
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    if key is not None:
-        check_key(out, key)
-    suppressed = suppression(out, key) if key is not None else None
+    created, suppressed = _open_store(out, key)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     try:
         paths, missing = _check_source(con, source)
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
-
-        _read_whole_tables(con, paths)
-        con.execute(f"CREATE TEMP TABLE stays AS SELECT {_int('stay_id')} AS stay_id, "
-                    f"{_int('subject_id')} AS subject_id, {_ts('intime')} AS intime, {_ts('outtime')} AS outtime "
-                    f"FROM {_csv(paths['icustays'])}")
-        _check_stays(con, paths["icustays"])
-        changed = {}
-        for table in EVENT_TABLES:
-            if table not in paths:
-                continue
-            p = paths[table]
-            st = p.stat()
-            digest = _sha256(p)
-            prev = manifest["files"].get(table)
-            unchanged = prev and prev["sha256"] == digest and prev["size"] == st.st_size
-            changed[table] = {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-            if unchanged:
-                summary.tables[table] = {"skipped": True, "rows": prev["rows"]}
-                del changed[table]
-
-        con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
-                    "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
-                    "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
-        for table, info in changed.items():
-            try:
-                con.execute(f"CREATE OR REPLACE TEMP VIEW t AS SELECT * FROM {_csv(info['path'])}")
-                info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
-                for q in _event_selects(table):
-                    con.execute(f"INSERT INTO staged SELECT *, '{table}' FROM ({q})")
-            except duckdb.Error as e:
-                raise _read_problem(info["path"], e) from None
-
-        suppressed_rows = 0
-        if suppressed is not None:
-            # the stay table is rewritten from icustays at every run, changed or not: filtered too
-            subjects = [r[0] for r in con.execute("SELECT subject_id FROM staged WHERE subject_id IS NOT NULL "
-                                                  "UNION SELECT subject_id FROM stays WHERE subject_id IS NOT "
-                                                  "NULL").fetchall()]
-            gone = [int(s) for s in subjects if suppressed(int(s))]
-            if gone:
-                con.execute("CREATE TEMP TABLE gone AS SELECT unnest(?::BIGINT[]) AS subject_id", [gone])
-                suppressed_rows = con.execute("SELECT count(*) FROM staged WHERE subject_id IN "
-                                              "(SELECT subject_id FROM gone)").fetchall()[0][0]
-                con.execute("DELETE FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)")
-                con.execute("DELETE FROM stays WHERE subject_id IN (SELECT subject_id FROM gone)")
-        # Labs carry no stay_id: give them the ICU stay whose window contains them.
-        con.execute("""UPDATE staged SET stay_id = s.stay_id FROM stays s
-                       WHERE staged.source_table = 'labevents' AND staged.stay_id IS NULL
-                         AND staged.subject_id = s.subject_id AND staged.time >= s.intime
-                         AND staged.time <= s.outtime""")
-        con.execute(f"""CREATE TEMP TABLE judged AS
-            SELECT e.*, {_quarantine_reason()} AS reason,
-                   md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, e.code, e.raw_numeric,
-                                        e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
-            FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
-        con.execute("""CREATE TEMP TABLE judged2 AS SELECT *,
-                       row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
-
-        events_glob = out / "events" / "*" / "*.parquet"
-        quarantine_glob = out / "quarantine" / "*.parquet"
-        have_events = any((out / "events").glob("*/*.parquet"))
-        have_quar = any((out / "quarantine").glob("*.parquet"))
-        seen = []
-        if have_events:
-            seen.append(f"SELECT event_hash, occurrence FROM read_parquet('{events_glob}')")
-        if have_quar:
-            seen.append(f"SELECT event_hash, occurrence FROM read_parquet('{quarantine_glob}')")
-        anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
-                f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
-        con.execute(f"CREATE TEMP TABLE fresh AS SELECT * FROM judged2 j WHERE TRUE {anti}")
-
-        n_new = con.execute("SELECT count(*) FROM fresh WHERE reason IS NULL").fetchall()[0][0]
-        if n_new:
-            tmp = out / "events" / f".tmp-{run_id}"
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            con.execute(f"""COPY (SELECT subject_id, time, code, numeric_value, text_value, unit, hadm_id, stay_id,
-                                source_table, event_hash, occurrence, subject_id % {N_BUCKETS} AS bucket
-                         FROM fresh WHERE reason IS NULL ORDER BY subject_id, time, code)
-                         TO '{tmp}' (FORMAT parquet, PARTITION_BY (bucket), FILENAME_PATTERN 'run-{run_id}-{{i}}',
-                                     ROW_GROUP_SIZE 100000)""")
-            for part in tmp.iterdir():
-                dest = out / "events" / part.name
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in part.iterdir():
-                    os.replace(f, dest / f.name)
-                part.rmdir()
-            tmp.rmdir()
-        n_quar = con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]
-        if n_quar:
-            (out / "quarantine").mkdir(exist_ok=True)
-            con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
-                                stay_id, source_table, reason, event_hash, occurrence FROM fresh
-                         WHERE reason IS NOT NULL) TO '{out / 'quarantine' / f'run-{run_id}.parquet'}'
-                         (FORMAT parquet)""")
-
-        stats = con.sql("""SELECT source_table, count(*) FILTER (WHERE reason IS NULL) AS events,
-                                  count(*) FILTER (WHERE reason IS NOT NULL) AS quarantined
-                           FROM judged2 GROUP BY ALL""").pl()
-        reasons = con.sql("SELECT source_table, reason, count(*) AS n FROM judged2 WHERE reason IS NOT NULL "
-                          "GROUP BY ALL").pl()
-        new = con.sql("SELECT source_table, count(*) AS n FROM fresh WHERE reason IS NULL GROUP BY ALL").pl()
-        for table, info in changed.items():
-            row = stats.filter(pl.col("source_table") == table)
-            summary.tables[table] = {
-                "skipped": False, "rows": info["rows"],
-                "events": int(row["events"].sum()), "quarantined_total": int(row["quarantined"].sum()),
-                "quarantined": {r["reason"]: int(r["n"]) for r in
-                                reasons.filter(pl.col("source_table") == table).iter_rows(named=True)},
-                "new_events": int(new.filter(pl.col("source_table") == table)["n"].sum()),
-            }
-            manifest["files"][table] = info
-        summary.new_events = int(n_new)
-        summary.suppressed_rows = int(suppressed_rows)
+        changed = _changed_tables(paths, manifest, summary)
+        _stage(con, paths, changed)
+        summary.suppressed_rows = _suppress(con, suppressed)
+        _judge(con, out)
+        summary.new_events = _write_new(con, out, run_id)
+        _summarise(con, changed, summary, manifest)
         _write_codes(con, out, paths)
-        # Stay table for cohorts: icustays with the patient's anchor age and sex (all stays, rewritten each run).
-        con.execute(f"""COPY (SELECT {_int('i.stay_id')} AS stay_id, {_int('i.subject_id')} AS subject_id,
-                            {_int('i.hadm_id')} AS hadm_id, i.first_careunit, {_ts('i.intime')} AS intime,
-                            {_ts('i.outtime')} AS outtime, {_int('p.anchor_age')} AS anchor_age,
-                            p.gender AS gender
-                     FROM {_csv(paths['icustays'])} i
-                     LEFT JOIN {_csv(paths['patients'])} p
-                       ON i.subject_id = p.subject_id
-                     WHERE {_int('i.stay_id')} IN (SELECT stay_id FROM stays) ORDER BY 2, 5)
-                     TO '{out / 'stays.parquet.tmp'}' (FORMAT parquet)""")
-        os.replace(out / "stays.parquet.tmp", out / "stays.parquet")
+        _write_stays(con, out, paths)
         if any((out / "events").glob("*/*.parquet")):
             summary.total_events = int(con.execute(
-                f"SELECT count(*) FROM read_parquet('{events_glob}')").fetchall()[0][0])
+                f"SELECT count(*) FROM read_parquet({sql_literal(out / 'events' / '*' / '*.parquet')})")
+                .fetchall()[0][0])
         summary.seconds = time.perf_counter() - t0
-        manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events,
-                                 "tables": sorted(changed)})
+        manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events, "tables": sorted(changed)})
         _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
         _atomic_write(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
         return summary
@@ -500,11 +403,11 @@ def _write_codes(con, out, paths):
     if not any((out / "events").glob("*/*.parquet")):
         return
     counts = pl.from_arrow(con.sql(f"SELECT code, any_value(source_table) AS source_table, count(*) AS count "
-                                   f"FROM read_parquet('{glob}') GROUP BY code").arrow())
+                                   f"FROM read_parquet({sql_literal(glob)}) GROUP BY code").arrow())
     desc_frames = []
     for table, prefixes in (("d_items", ("CHART", "INPUT", "OUTPUT", "PROCEDURE")), ("d_labitems", ("LAB",))):
         if table in paths:
-            d = pl.from_arrow(con.sql(f"SELECT itemid, label FROM {_csv(paths[table])}").arrow())
+            d = pl.from_arrow(con.sql(f"SELECT itemid, label FROM {csv_reader(paths[table])}").arrow())
             for pre in prefixes:
                 desc_frames.append(d.select((pl.lit(pre + "//") + pl.col("itemid")).alias("code"),
                                             pl.col("label").alias("description")))

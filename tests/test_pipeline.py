@@ -84,6 +84,14 @@ def test_readers_do_not_depend_on_the_row_order_of_the_store_files(source, tmp_p
     assert stay_events(out, cohort).equals(events_before)
 
 
+def test_a_quote_in_a_path_is_a_path_not_broken_sql(source, tmp_path):
+    src, out = tmp_path / "o'brien's source", tmp_path / "st'ore"
+    shutil.copytree(source, src)
+    first = extract(src, out)
+    assert first.new_events > 0 and extract(src, out).new_events == 0
+    assert first.total_events == sum(t["events"] for t in first.tables.values())
+
+
 def test_incremental_run_adds_only_new_rows(source, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(source, src)
