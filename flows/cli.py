@@ -132,57 +132,59 @@ def _workspace_root(args):
     return Path(args.out) if args.cmd != "keygen" else None
 
 
-def _run(args):
-    root = _workspace_root(args)
-    if root is not None and root.exists():
-        from pipeline.transaction import settle
-        settle(root)
-    if args.cmd == "keygen":
-        from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key
-        from pipeline.privacy import KEY_FILE_ENV, write_new_key
-        path, env = (write_signing_key(args.path), SIGNING_KEY_ENV) if args.signing else \
-            (write_new_key(args.path), KEY_FILE_ENV)
-        print(f"wrote a new key to {path}; use it with: export {env}={path}")
-        return 0
-    if args.cmd == "extract":
-        from pipeline.extract import extract
-        from pipeline.privacy import load_key
-        from contextlib import nullcontext
+def _keygen(args):
+    from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key
+    from pipeline.privacy import KEY_FILE_ENV, write_new_key
+    path, env = (write_signing_key(args.path), SIGNING_KEY_ENV) if args.signing else \
+        (write_new_key(args.path), KEY_FILE_ENV)
+    print(f"wrote a new key to {path}; use it with: export {env}={path}")
+    return 0
 
-        from pipeline.locking import workspace_lock
-        ws = Path(args.out).resolve().parent
-        # a store inside a workspace is written under the workspace's lock, as runs and deletions write it
-        in_ws = (ws / ".lock").exists() or (ws / "ledger.jsonl").exists()
-        with workspace_lock(ws, wait_seconds=60, purpose="extraction") if in_ws else nullcontext():
-            s = extract(args.source, args.out, key=load_key(ws if in_ws else args.out), memory_limit=args.memory_limit)
-        print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
-                          "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
-        return 0
-    if args.cmd == "verify":
-        from pipeline.evidence import verify_certificate
-        problems = verify_certificate(args.certificate, args.checkpoint)
-        for p in problems:
-            print(f"FAILED: {p}")
-        if problems:
-            return 1
-        print(f"ok: {args.certificate}, its inclusion proof and the signed log verify"
-              + (f", and the log extends {args.checkpoint}" if args.checkpoint else ""))
-        return 0
-    _preflight(args)
-    from flows import progress
-    from flows.prefect_flows import delete_patient, scheduled_run, shared_api_server
-    progress.configure(True)
-    if args.cmd == "delete":
-        from pipeline.privacy import keyed_hash, store_key
-        from pipeline.workspace import Workspace
-        ws = Workspace(args.out)
-        # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
-        subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
-        with shared_api_server():
-            out = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait)
-        print(f"certificate: {out['certificate']}" if "certificate" in out else
-              f"forgetful: nothing to do: {out['already_deleted']}")
-        return 0
+
+def _extract(args):
+    from contextlib import nullcontext
+
+    from pipeline.extract import extract
+    from pipeline.locking import workspace_lock
+    from pipeline.privacy import load_key
+    ws = Path(args.out).resolve().parent
+    # a store inside a workspace is written under the workspace's lock, as runs and deletions write it
+    in_ws = (ws / ".lock").exists() or (ws / "ledger.jsonl").exists()
+    with workspace_lock(ws, wait_seconds=60, purpose="extraction") if in_ws else nullcontext():
+        s = extract(args.source, args.out, key=load_key(ws if in_ws else args.out), memory_limit=args.memory_limit)
+    print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
+                      "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
+    return 0
+
+
+def _verify(args):
+    from pipeline.evidence import verify_certificate
+    problems = verify_certificate(args.certificate, args.checkpoint)
+    for p in problems:
+        print(f"FAILED: {p}")
+    if problems:
+        return 1
+    print(f"ok: {args.certificate}, its inclusion proof and the signed log verify"
+          + (f", and the log extends {args.checkpoint}" if args.checkpoint else ""))
+    return 0
+
+
+def _delete(args):
+    from flows.prefect_flows import delete_patient, shared_api_server
+    from pipeline.privacy import keyed_hash, store_key
+    from pipeline.workspace import Workspace
+    ws = Workspace(args.out)
+    # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
+    subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
+    with shared_api_server():
+        out = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait)
+    print(f"certificate: {out['certificate']}" if "certificate" in out else
+          f"forgetful: nothing to do: {out['already_deleted']}")
+    return 0
+
+
+def _scheduled(args):
+    from flows.prefect_flows import scheduled_run, shared_api_server
     params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
                   max_events=args.max_events, cohort_budget=args.cohort_budget, task_runner=args.task_runner,
                   workers=args.workers, encoder_steps=args.encoder_steps, tokens=args.tokens, config=args.config,
@@ -195,6 +197,20 @@ def _run(args):
     print(f"report: {out['report']}")
     _print_headline(out["result"]["summary"])
     return 0
+
+
+def _run(args):
+    root = _workspace_root(args)
+    if root is not None and root.exists():
+        from pipeline.transaction import settle
+        settle(root)
+    offline = {"keygen": _keygen, "extract": _extract, "verify": _verify}   # no flow, no server
+    if args.cmd in offline:
+        return offline[args.cmd](args)
+    _preflight(args)
+    from flows import progress
+    progress.configure(True)
+    return _delete(args) if args.cmd == "delete" else _scheduled(args)
 
 
 def main(argv=None):
