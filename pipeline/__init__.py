@@ -1,1 +1,2 @@
-"""Extraction of MIMIC-IV into the parquet event store, the embedded generator, event keys, deletion."""
+"""Extraction into the parquet event store, the embedded generator, event keys, the keyed hash and its key,
+the deletion log, the workspace lock and transactions."""
