@@ -12,6 +12,7 @@ import polars as pl
 
 from memory.cohort import CohortMemory, history_digest
 from pipeline.keys import EventKeyer
+from pipeline.privacy import store_key
 
 from .characteristics import describe_cohort
 from .definitions import build_cohort, stay_events, workspace_config
@@ -110,7 +111,7 @@ def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None)
         mem, scaler = CohortMemory.load(same[-1]), load_scaler(same[-1])
     else:
         mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
-    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, scaler=scaler)
+    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, store_key(ws.store, ws.root), scaler=scaler)
     history = {"checked": mem.history is not None, "changed_before_watermark": False}
     if same and mem.history is not None and history_digest(order, keys, mem.watermark) != mem.history:
         base, base_mem = _unchanged_base(same[:-1], order, keys)

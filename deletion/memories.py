@@ -7,8 +7,9 @@ from cohorts.streams import cohort_stream
 from memory.cohort import CohortMemory
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
+from pipeline.privacy import store_key
 
-from .plan import DeletionFailed
+from .plan import DeletionFailed, owner
 
 VERIFY_MAX_DEV = 1e-8
 
@@ -19,8 +20,8 @@ def _subject_rows(ws, ckpt, sid, cache):
     mode = checkpoint_tokens(ckpt)
     stats = (ckpt / SCALER_FILES[mode]).read_bytes()
     if (mode, stats) not in cache:
-        _, keys, _, order, _ = cohort_stream(ws.store, workspace_config(ws.root), mode, scaler=load_scaler(ckpt),
-                                             subject_id=sid)
+        _, keys, _, order, _ = cohort_stream(ws.store, workspace_config(ws.root), mode,
+                                             store_key(ws.store, ws.root), scaler=load_scaler(ckpt), subject_id=sid)
         cache[(mode, stats)] = (order, keys)
     return cache[(mode, stats)]
 
@@ -47,10 +48,10 @@ def decrement(ws, txn, sid, n_jitter):
     """Every checkpoint holding the subject's tokens, exactly decremented and verified; every checkpoint that
     was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
     per checkpoint."""
-    memories, verification, digests, rows_of = {}, {}, {}, {}
+    memories, verification, digests, rows_of, ref = {}, {}, {}, {}, owner(ws, sid)
     for c in ws.checkpoints():
         cm = CohortMemory.load(c)
-        tokens = cm.tokens_of(sid)
+        tokens = cm.tokens_of(ref)
         order, keys = _subject_rows(ws, c, sid, rows_of)
         if not tokens and not any(o <= cm.watermark for o in order):
             continue
@@ -78,7 +79,8 @@ def replay(ws, txn, sid, n_jitter):
     latest = CohortMemory.load(ckpts[-1])
     tokens = checkpoint_tokens(ckpts[-1])
     _, K, ids, order, subjects = cohort_stream(ws.store, workspace_config(ws.root), tokens,
-                                               scaler=load_scaler(ckpts[-1]))
+                                               store_key(ws.store, ws.root), scaler=load_scaler(ckpts[-1]))
+    ref = owner(ws, sid)
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
     # checkpoint of the other stream mode is never a replay base
     first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)
@@ -92,7 +94,7 @@ def replay(ws, txn, sid, n_jitter):
     base.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
     # the other mode's checkpoints are history: removed only where they hold the subject
     tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) == tokens or
-                                                       CohortMemory.load(c).tokens_of(sid))]
+                                                       CohortMemory.load(c).tokens_of(ref))]
     for c in tainted:
         txn.delete(c)
     target = ckpts[-1]
@@ -100,7 +102,7 @@ def replay(ws, txn, sid, n_jitter):
     verification = {target.name: _verify(base, None, n_jitter)}
     verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
     verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
-    return ({target.name: len(latest.tokens_of(sid))}, verification,
+    return ({target.name: len(latest.tokens_of(ref))}, verification,
             {target.name: {"before": before, "after": base.memory.state_digest()}})
 
 

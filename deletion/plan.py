@@ -7,7 +7,7 @@ import polars as pl
 from memory.cohort import CohortMemory
 from pipeline.evidence import read_log
 from pipeline.extract import N_BUCKETS, UnknownSubjectError
-from pipeline.privacy import keyed_hash, store_key, suppressed_hashes
+from pipeline.privacy import keyed_hash, store_key, subject_ref, suppressed_hashes
 
 
 class AlreadyDeleted(Exception):
@@ -16,6 +16,11 @@ class AlreadyDeleted(Exception):
 
 class DeletionFailed(RuntimeError):
     """A check failed (refit verification, residual scan, the log); nothing was changed."""
+
+
+def owner(ws, sid) -> str:
+    """The subject's owner reference in the memories' token ids (their keyed hash, never their id)."""
+    return subject_ref(sid, store_key(ws.store, ws.root))
 
 
 def scan_subject(ws, subject_id):
@@ -37,7 +42,8 @@ def scan_subject(ws, subject_id):
         found["stays"] = stays.height
     found["per_stay_results"] = pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid).height \
         if ws.results.exists() else 0
-    found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(sid)) for c in ws.checkpoints())
+    ref = owner(ws, sid) if ws.checkpoints() else None
+    found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(ref)) for c in ws.checkpoints())
     return found, stay_ids
 
 

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import polars as pl
 
-from memory.cohort import CohortMemory, subject_of
+from memory.cohort import CohortMemory, owner_of
 
+from .plan import owner
 from .store import bucket_of, read_source, source_files
 
 SCANNED = ["events", "quarantine", "stays", "per_stay_results", "cohort_memory_checkpoints", "per_stay_memories",
@@ -18,7 +19,7 @@ def _rows_in(path, sid) -> int:
 def residual_scan(ws, txn, sid, stay_files) -> dict:
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
     deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
-    rows = sum(1 for p in stay_files if str(p) not in deleted)
+    rows, ref = sum(1 for p in stay_files if str(p) not in deleted), owner(ws, sid)
     for f in [*(ws.store / "events").glob("*/*.parquet"), *(ws.store / "quarantine").glob("*.parquet"),
               ws.store / "stays.parquet", ws.results]:
         if str(f) not in deleted and f.exists():
@@ -28,10 +29,10 @@ def residual_scan(ws, txn, sid, stay_files) -> dict:
         if final.endswith(".parquet") and Path(final).parent == bucket:     # the rewritten bucket file
             rows += _rows_in(src, sid)
         if Path(src).is_dir() and (Path(src) / "memory.npz").exists():
-            rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if subject_of(t) == sid)
+            rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if owner_of(t) == ref)
     for c in ws.checkpoints():
         if str(c) not in deleted and str(c) not in staged:
-            rows += len(CohortMemory.load(c).tokens_of(sid))
+            rows += len(CohortMemory.load(c).tokens_of(ref))
     for f in source_files(ws):
         frame = read_source(staged.get(str(f), f))
         rows += int((frame["subject_id"] == str(sid)).sum()) if "subject_id" in frame.columns else 0

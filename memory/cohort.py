@@ -2,7 +2,8 @@
 
 A retrieval memory of the unit's atypical events. It is saved with its full solver state after every run
 (``checkpoints/<seq>/``) so the next run resumes it, and a deletion can decrement it exactly. Token ids are
-``"<subject_id>:<event_hash>:<occurrence>"``; ``watermark`` is the order key of the last event fed, events are
+``"<owner>:<item>:<occurrence>"`` with an opaque owner reference (a keyed hash of the patient, made by the
+pipeline); ``watermark`` is the order key of the last event fed, events are
 fed in ``order_key`` order (ISO time, then event hash and occurrence). ``history`` is a digest of every row fed
 (:func:`history_digest`): a run compares it with the store's rows up to the watermark to notice rows that
 arrived late (dated before the watermark), which a watermark alone would skip for ever.
@@ -18,12 +19,14 @@ from .policies import SVSelection
 from .svmemory import SVMemory
 
 
-def token_id(subject_id, event_hash, occurrence):
-    return f"{int(subject_id)}:{event_hash}:{int(occurrence)}"
+def token_id(owner: str, item, occurrence) -> str:
+    """``owner``: an opaque reference of whom the token belongs to (the pipeline passes a keyed hash, so the
+    memory never holds a patient identifier); ``item``: what the token is within the owner's stream."""
+    return f"{owner}:{item}:{int(occurrence)}"
 
 
-def subject_of(token):
-    return int(str(token).split(":", 1)[0])
+def owner_of(token) -> str:
+    return str(token).split(":", 1)[0]
 
 
 DIGEST_MOD = 1 << 64
@@ -71,8 +74,8 @@ class CohortMemory:
             gone = sum(row_hash(o, k) for o, k in zip(order_keys, keys) if o <= self.watermark)
             self.history = (self.history - gone) % DIGEST_MOD
 
-    def tokens_of(self, subject_id):
-        return [t for t in self.memory.token_ids() if subject_of(t) == int(subject_id)]
+    def tokens_of(self, owner: str):
+        return [t for t in self.memory.token_ids() if owner_of(t) == owner]
 
     def save(self, directory):
         d = Path(directory)

@@ -30,6 +30,11 @@ def keyed_hash(value, key: bytes) -> str:
     return hmac.new(key, str(value).encode(), hashlib.sha256).hexdigest()
 
 
+def subject_ref(subject_id, key: bytes) -> str:
+    """The opaque owner reference of a patient's tokens in the memories (a prefix of their keyed hash)."""
+    return keyed_hash(int(subject_id), key)[:32]
+
+
 def load_key(workspace=None) -> bytes:
     """The hash key from the environment; ``workspace``: refuse a key file inside it."""
     if os.environ.get(KEY_ENV):

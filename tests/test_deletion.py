@@ -14,7 +14,7 @@ from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.privacy import keyed_hash, load_key
+from pipeline.privacy import keyed_hash, load_key, subject_ref
 from pipeline.workspace import Workspace
 
 
@@ -31,6 +31,11 @@ def plain_ws(tmp_path_factory):
     return ws
 
 
+def ref(subject_id):
+    """The patient's owner reference in memory token ids (a keyed hash)."""
+    return subject_ref(subject_id, load_key())
+
+
 def a_copy(ws, dest):
     shutil.copytree(ws.root, dest)
     return Workspace(dest)
@@ -38,7 +43,7 @@ def a_copy(ws, dest):
 
 def held_subject(ws):
     cm = CohortMemory.load(ws.checkpoints()[-1])
-    return next(s for s in sorted(pl.read_parquet(ws.results)["subject_id"].unique()) if cm.tokens_of(s))
+    return next(s for s in sorted(pl.read_parquet(ws.results)["subject_id"].unique()) if cm.tokens_of(ref(s)))
 
 
 @pytest.mark.parametrize("mode", ["decrement", "replay"])
@@ -107,7 +112,8 @@ def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_ord
     info = update_cohort_memory(ws, budget=24, tokens="events")
     assert info["history"]["changed_before_watermark"] and info["history"]["rebuilt_from"] == "empty memory"
     rebuilt = CohortMemory.load(ws.checkpoints()[-1])
-    _, keys, ids, order, _ = cohort_stream(ws.store, load_config(), "events", scaler=load_scaler(ws.checkpoints()[-1]))
+    _, keys, ids, order, _ = cohort_stream(ws.store, load_config(), "events", load_key(),
+                                           scaler=load_scaler(ws.checkpoints()[-1]))
     assert sum(o <= watermark for o in order) > 0
     fresh = CohortMemory(budget=24, gamma=rebuilt.gamma)
     fresh.feed(keys, ids, order)
@@ -119,7 +125,7 @@ def test_after_a_deletion_the_next_run_finds_the_history_unchanged(plain_ws, tmp
     ws = a_copy(plain_ws, tmp_path / "ws")
     subjects = sorted(pl.read_parquet(ws.results)["subject_id"].unique())
     held = held_subject(ws)
-    evicted = next(s for s in subjects if s != held and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(s))
+    evicted = next(s for s in subjects if s != held and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(ref(s)))
     for sid in (held, evicted):                       # one with tokens in the memory, one fed and evicted
         delete_subject(ws, sid, mode=mode)
     info = update_cohort_memory(ws, budget=24, tokens="events")

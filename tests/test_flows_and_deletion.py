@@ -17,7 +17,7 @@ from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
-from pipeline.privacy import keyed_hash, load_key
+from pipeline.privacy import keyed_hash, load_key, subject_ref
 from pipeline.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,11 @@ def workspace(prefect_server, source, tmp_path_factory):
     return Workspace(root), out
 
 
+def ref(subject_id):
+    """The patient's owner reference in memory token ids (a keyed hash)."""
+    return subject_ref(subject_id, load_key())
+
+
 def hash_of(subject_id):
     """What the CLI hands the delete flow: the subject's keyed hash, never the raw id."""
     return keyed_hash(subject_id, load_key())
@@ -51,7 +56,7 @@ def subject_with_memory_tokens(ws):
     cm = CohortMemory.load(ws.checkpoints()[-1])
     res = pl.read_parquet(ws.results)
     for sid in res["subject_id"].unique().sort().to_list():
-        if cm.tokens_of(sid):
+        if cm.tokens_of(ref(sid)):
             return sid
     pytest.fail("no evaluation subject has tokens in the cohort memory")
 
@@ -143,7 +148,7 @@ def test_replay_mode_equals_a_memory_that_never_saw_the_patient(workspace, tmp_p
     sid = subject_with_memory_tokens(ws)
     ckpt = ws.checkpoints()[-1]
     keyer = EventKeyer.load(ckpt / "keyer.parquet")
-    _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), keyer=keyer)
+    _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), load_key(), keyer=keyer)
     cert, path = delete_subject(ws, sid, mode="replay")
     assert cert["mode"] == "replay" and verify_certificate(path) == []
     fresh = CohortMemory(budget=24)
@@ -151,7 +156,7 @@ def test_replay_mode_equals_a_memory_that_never_saw_the_patient(workspace, tmp_p
     fresh.feed(K[keep], [ids[i] for i in keep], [order[i] for i in keep])
     replayed = CohortMemory.load(ws.checkpoints()[-1])
     assert replayed.memory.state_digest() == fresh.memory.state_digest()
-    assert not replayed.tokens_of(sid)
+    assert not replayed.tokens_of(ref(sid))
 
 
 def test_a_deletion_refuses_while_a_run_holds_the_lock(workspace, tmp_path):
@@ -277,7 +282,7 @@ def test_an_infeasible_decrement_changes_nothing_and_points_to_replay(workspace,
     ws = copy_ws(workspace[0], tmp_path / "ws")
     ckpt = ws.checkpoints()[-1]
     keyer = EventKeyer.load(ckpt / "keyer.parquet")
-    _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), keyer=keyer)
+    _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), load_key(), keyer=keyer)
     sid = int(subj[0])
     mine = [i for i, s in enumerate(subj) if int(s) == sid][:6]
     other = [i for i, s in enumerate(subj) if int(s) != sid][:2]
@@ -292,7 +297,7 @@ def test_an_infeasible_decrement_changes_nothing_and_points_to_replay(workspace,
     assert _state(ws) == pre
     assert not any((ws.root / ".txn").glob("*"))  # the staged transaction was discarded
     cert, path = delete_subject(ws, sid, mode="replay")
-    assert verify_certificate(path) == [] and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(sid)
+    assert verify_certificate(path) == [] and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(ref(sid))
 
 
 def test_serve_registers_the_scheduled_run_with_its_cron_schedule(prefect_server, tmp_path):
@@ -370,7 +375,7 @@ def test_token_mode_run_reports_both_protocols(token_workspace):
 def _subject_in_cohort_memory(ws):
     cm = CohortMemory.load(ws.checkpoints()[-1])
     for sid in pl.read_parquet(ws.results)["subject_id"].unique().sort().to_list():
-        if cm.tokens_of(sid):
+        if cm.tokens_of(ref(sid)):
             return sid
     pytest.fail("no evaluation subject has tokens in the cohort memory")
 
@@ -397,7 +402,7 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
     keep = [i for i, s in enumerate(subj) if int(s) != sid]
     fresh.feed(K[keep], [ids[i] for i in keep], [order[i] for i in keep])
     replayed = CohortMemory.load(ws.checkpoints()[-1])
-    assert replayed.memory.state_digest() == fresh.memory.state_digest() and not replayed.tokens_of(sid)
+    assert replayed.memory.state_digest() == fresh.memory.state_digest() and not replayed.tokens_of(ref(sid))
     assert (ws.checkpoints()[-1] / "token_scaling.json").exists()
 
 
