@@ -395,7 +395,7 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
 
     ws = copy_ws(token_workspace[0], tmp_path / "rep")
     ckpt = ws.checkpoints()[-1]
-    _, K, ids, order, subj = cohort_stream(ws.store, load_config(), "hourly", scaler=load_scaler(ckpt))
+    _, K, ids, order, subj = cohort_stream(ws.store, load_config(), "hourly", load_key(), scaler=load_scaler(ckpt))
     cert, path = delete_subject(ws, sid, mode="replay")
     assert cert["mode"] == "replay" and verify_certificate(path) == []
     fresh = CohortMemory(budget=24, gamma=CohortMemory.load(ckpt).gamma)
