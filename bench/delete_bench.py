@@ -21,7 +21,7 @@ os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
 
 from cohorts.definitions import load_config  # noqa: E402
 from cohorts.evaluation import aggregate, run_sweep  # noqa: E402
-from cohorts.runs import update_cohort_memory  # noqa: E402
+from cohorts.runs import save_results, update_cohort_memory  # noqa: E402
 from cohorts.streams import evaluation_streams  # noqa: E402
 from deletion import delete_subject  # noqa: E402
 from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key  # noqa: E402
@@ -41,8 +41,7 @@ def pipeline(ws, source, key, deleted=None):
     extract(source, ws.store, key=key)
     streams, _ = evaluation_streams(ws.store, load_config())
     rows = run_sweep(streams, budgets=BUDGETS, fractions=())
-    ws.results.parent.mkdir(parents=True, exist_ok=True)
-    pl.DataFrame(rows).write_parquet(ws.results)
+    save_results(ws, rows)
     aggregate(rows)
     update_cohort_memory(ws, budget=128)
 

@@ -11,14 +11,16 @@ from pathlib import Path
 import polars as pl
 
 from memory.cohort import CohortMemory, history_digest
+from memory.encoder import EventEncoder, train_encoder
 from pipeline.keys import EventKeyer
 from pipeline.privacy import store_key
 
 from .characteristics import describe_cohort
 from .definitions import build_cohort, stay_events, workspace_config
+from .encoder_data import training_windows
 from .protocols import StreamingSettings, choose_streaming_settings, token_streams
 from .provenance import code_version
-from .streams import cohort_stream
+from .streams import cohort_stream, evaluation_streams
 from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
 
 # Per-stay SV memories are persisted at this budget (or at the largest fixed budget of a run without it).
@@ -155,3 +157,46 @@ def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, di
         summary[f"eval_stays_with_{name}"] = int(ev.group_by("stay_id").agg(pl.col(name).any())[name].sum())
     summary["characteristics"] = describe_cohort(store, cfg, cohort, events, labelled)
     return evaluation, settings, summary
+
+
+def stay_memory_paths(ws, stay_ids) -> list[str]:
+    """Where each stay's SV memory is persisted (file names are keyed hashes of the stay ids)."""
+    key = store_key(ws.store, ws.root)
+    ws.stay_memories.mkdir(parents=True, exist_ok=True)
+    return [str(ws.stay_memory(s, key)) for s in stay_ids]
+
+
+def workspace_event_streams(ws, max_events=None) -> tuple[list, dict]:
+    """The events-mode evaluation streams of a workspace (with learned keys when its encoder exists), each
+    with the path its per-stay memory is persisted to."""
+    encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
+    streams, cohort = evaluation_streams(ws.store, workspace_config(ws.root), max_events=max_events, encoder=encoder)
+    for s, path in zip(streams, stay_memory_paths(ws, [s["stay_id"] for s in streams])):
+        s["memory_path"] = path
+    return streams, cohort
+
+
+def workspace_token_streams(ws) -> tuple[list, StreamingSettings, dict]:
+    """:func:`prepare_token_streams` over a workspace, each stream with its per-stay memory's path."""
+    streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root))
+    for s, path in zip(streams, stay_memory_paths(ws, [s.stay_id for s in streams])):
+        s.memory_path = path
+    return streams, settings, cohort
+
+
+def save_results(ws, rows) -> Path:
+    """The per-stay result rows of a run (patient-level: they stay in the workspace)."""
+    ws.results.parent.mkdir(parents=True, exist_ok=True)
+    pl.DataFrame(rows).write_parquet(ws.results)
+    return ws.results
+
+
+def train_key_encoder(ws, steps: int) -> dict:
+    """Train the learned-key encoder on the training split's windows and save it; a summary of the loss."""
+    (codes, feats, flags), _, _ = training_windows(ws.store, workspace_config(ws.root))
+    encoder, history = train_encoder(codes, feats, flags, steps=steps)
+    ws.encoder.parent.mkdir(parents=True, exist_ok=True)
+    encoder.save(ws.encoder)
+    k = max(1, len(history) // 10)
+    return {"windows": len(codes), "steps": steps, "loss_first": sum(history[:k]) / k,
+            "loss_last": sum(history[-k:]) / k}

@@ -21,14 +21,14 @@ from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, b
                                 long_rows, run_sweep)
 from cohorts.protocols import score_token_streams
 from cohorts.provenance import provenance
-from cohorts.runs import HEADLINE_BUDGET, TOKEN_MODES, prepare_token_streams, run_metadata, update_cohort_memory
-from cohorts.streams import evaluation_streams
+from cohorts.runs import (HEADLINE_BUDGET, TOKEN_MODES, run_metadata, save_results, train_key_encoder,
+                          update_cohort_memory, workspace_event_streams, workspace_token_streams)
 from deletion import AlreadyDeleted, delete_subject, resolve_subject
 from flows import progress  # absolute: Prefect loads this file by path as a deployment entrypoint
 from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
-from pipeline.privacy import load_key, store_key
+from pipeline.privacy import load_key
 from pipeline.transaction import recover
 from pipeline.workspace import Workspace
 from reports.html import render_report
@@ -109,47 +109,22 @@ def extract_task(source, store, root, memory_limit="4GB"):
 @task(retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def train_encoder_task(root, steps):
     """Learned event keys: train the encoder on the training split's windows (CUDA when present)."""
-    from cohorts.encoder_data import training_windows
-    from memory.encoder import train_encoder
-    ws = Workspace(root)
-    (codes, feats, flags), _, _ = training_windows(ws.store, workspace_config(ws.root))
     with progress.step(f"training the key encoder ({steps} steps)"):
-        encoder, history = train_encoder(codes, feats, flags, steps=steps)
-    ws.encoder.parent.mkdir(parents=True, exist_ok=True)
-    encoder.save(ws.encoder)
-    k = max(1, len(history) // 10)
-    info = {"windows": len(codes), "steps": steps, "loss_first": sum(history[:k]) / k,
-            "loss_last": sum(history[-k:]) / k}
-    get_run_logger().info("encoder trained on %d windows: selection loss %.3f -> %.3f", len(codes),
+        info = train_key_encoder(Workspace(root), steps)
+    get_run_logger().info("encoder trained on %d windows: selection loss %.3f -> %.3f", info["windows"],
                           info["loss_first"], info["loss_last"])
     return info
 
 
-def _memory_paths(ws, stay_ids):
-    key = store_key(ws.store, ws.root)
-    ws.stay_memories.mkdir(parents=True, exist_ok=True)
-    return [str(ws.stay_memory(s, key)) for s in stay_ids]
-
-
 @task(cache_policy=NO_CACHE, persist_result=False)
 def prepare_streams(root, max_events):
-    from memory.encoder import EventEncoder
-    ws = Workspace(root)
-    encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
-    streams, cohort = evaluation_streams(ws.store, workspace_config(ws.root), max_events=max_events, encoder=encoder)
-    for s, path in zip(streams, _memory_paths(ws, [s["stay_id"] for s in streams])):
-        s["memory_path"] = path
-    return streams, cohort
+    return workspace_event_streams(Workspace(root), max_events)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def prepare_token_streams_task(root):
-    ws = Workspace(root)
     with progress.step("building hourly tokens, labels, and the streaming setting (training split)"):
-        streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root))
-    for s, path in zip(streams, _memory_paths(ws, [s.stay_id for s in streams])):
-        s.memory_path = path
-    return streams, settings, cohort
+        return workspace_token_streams(Workspace(root))
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -164,12 +139,8 @@ def score_token_chunk(streams, budgets, fractions, settings, fixed, memory_budge
 
 
 @task(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
-def save_results(rows, root):
-    import polars as pl
-    ws = Workspace(root)
-    ws.results.parent.mkdir(parents=True, exist_ok=True)
-    pl.DataFrame(rows).write_parquet(ws.results)
-    return str(ws.results)
+def save_results_task(rows, root):
+    return str(save_results(Workspace(root), rows))
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -232,7 +203,7 @@ def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_eve
             advance(stays_of[f.task_run_id])
     # rows in chunk order, not completion order: the bootstrap draws over stays in row order
     rows = long_rows([r for f in futures for r in f.result()])
-    save_results(rows, str(ws.root))
+    save_results_task(rows, str(ws.root))
     summary, paired = aggregate(rows)
     metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0,
                             tokens=tokens, settings=settings, cfg=cfg)

@@ -7,7 +7,7 @@ import pytest
 
 from cohorts.definitions import build_cohort, load_config
 from cohorts.evaluation import run_sweep
-from cohorts.runs import update_cohort_memory
+from cohorts.runs import save_results, update_cohort_memory
 from cohorts.streams import evaluation_streams
 from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject, scan_subject
 from memory.cohort import CohortMemory
@@ -25,8 +25,7 @@ def plain_ws(tmp_path_factory):
     generate(ws.source, GeneratorConfig(n_patients=12, seed=4))
     extract(ws.source, ws.store, key=load_key(ws.root))
     streams, _ = evaluation_streams(ws.store, load_config(), max_events=120)
-    ws.results.parent.mkdir(parents=True)
-    pl.DataFrame(run_sweep(streams, budgets=(8,), fractions=(), workers=1)).write_parquet(ws.results)
+    save_results(ws, run_sweep(streams, budgets=(8,), fractions=(), workers=1))
     update_cohort_memory(ws, budget=24, tokens="events")
     return ws
 
