@@ -159,11 +159,12 @@ def connect(workdir, memory_limit="4GB", threads=None):
     return con
 
 
-def check_source(source):
-    """Raise ExtractionError when ``source`` lacks a required table or column (reads headers only)."""
+def check_source(source) -> tuple[dict, list]:
+    """(table -> path, missing optional tables); raise ExtractionError when ``source`` lacks a required table
+    or column (reads headers only)."""
     con = duckdb.connect()
     try:
-        _check_source(con, source)
+        return _check_source(con, source)
     finally:
         con.close()
 
@@ -354,12 +355,11 @@ def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=N
     with a suppression list is not extracted into without its key.
     """
     t0, out = time.perf_counter(), Path(out)
-    check_source(source)                 # headers only: a missing table or column fails before out exists
+    paths, missing = check_source(source)   # headers only: a missing table or column fails before out exists
     created, suppressed = _open_store(out, key)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     try:
-        paths, missing = _check_source(con, source)
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
         changed = _changed_tables(paths, manifest, summary)
