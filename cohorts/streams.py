@@ -59,10 +59,10 @@ def _owners(subjects, key: bytes) -> dict:
     return {s: subject_ref(s, key) for s in set(subjects)}
 
 
-def cohort_event_stream(store, cfg, key: bytes, keyer=None, after="", subject_id=None):
+def cohort_event_stream(store, cfg, key: bytes, keyer=None, subject_id=None):
     """The whole cohort's events in global time order, keyed, for the cohort memory.
 
-    Returns (keyer, keys, token_ids, order_keys, subject_ids) for events whose order key is above ``after``.
+    Returns (keyer, keys, token_ids, order_keys, subject_ids), in order-key order.
     The keyer is fitted on the training split when none is given (and then persisted with the memory).
     ``subject_id``: one subject's rows only (a deletion takes them out of the memory's history digest).
     Token ids name their patient by a keyed hash under ``key``, never by id.
@@ -76,16 +76,16 @@ def cohort_event_stream(store, cfg, key: bytes, keyer=None, after="", subject_id
         keyer = EventKeyer().fit(ev.filter(pl.col("stay_id").is_in(train_ids)))
     order = (pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + pl.col("event_hash") + "|" +
              pl.col("occurrence").cast(pl.String).str.zfill(6))
-    ev = ev.with_columns(order.alias("order_key")).filter(pl.col("order_key") > after).sort("order_key")
+    ev = ev.with_columns(order.alias("order_key")).sort("order_key")
     owner = _owners(ev["subject_id"].to_list(), key)
     ids = [token_id(owner[s], h, o) for s, h, o in zip(ev["subject_id"], ev["event_hash"], ev["occurrence"])]
     return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()
 
 
-def cohort_token_stream(store, cfg, key: bytes, scaling=None, after="", subject_id=None):
+def cohort_token_stream(store, cfg, key: bytes, scaling=None, subject_id=None):
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
 
-    Returns (scaling, keys, token_ids, order_keys, subject_ids) for tokens whose order key is above ``after``;
+    Returns (scaling, keys, token_ids, order_keys, subject_ids), in order-key order;
     ``scaling`` (training-split statistics) is fitted when none is given and then persisted with the memory.
     Order key: the bin's start time, then the stay's smallest event hash (a content hash already in the store,
     no identifier) to order tokens of different stays in the same hour.
@@ -96,14 +96,14 @@ def cohort_token_stream(store, cfg, key: bytes, scaling=None, after="", subject_
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")
     order = pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + tie
-    tok = tok.with_columns(order.alias("order_key")).filter(pl.col("order_key") > after).sort("order_key")
+    tok = tok.with_columns(order.alias("order_key")).sort("order_key")
     owner = _owners(tok["subject_id"].to_list(), key)
     ids = [token_id(owner[s], f"{st}-h{h}", 0) for s, st, h in zip(tok["subject_id"], tok["stay_id"], tok["hour"])]
     return table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(), tok["subject_id"].to_numpy()
 
 
-def cohort_stream(store, cfg, tokens, key: bytes, scaler=None, after="", subject_id=None):
+def cohort_stream(store, cfg, tokens, key: bytes, scaler=None, subject_id=None):
     """The cohort memory's input in either stream mode ('hourly' tokens or raw 'events')."""
     if tokens == "hourly":
-        return cohort_token_stream(store, cfg, key, scaling=scaler, after=after, subject_id=subject_id)
-    return cohort_event_stream(store, cfg, key, keyer=scaler, after=after, subject_id=subject_id)
+        return cohort_token_stream(store, cfg, key, scaling=scaler, subject_id=subject_id)
+    return cohort_event_stream(store, cfg, key, keyer=scaler, subject_id=subject_id)
