@@ -26,6 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pymerkle import InclusionProof, InmemoryTree, verify_consistency, verify_inclusion
 from pymerkle.proof import InvalidProof
 
+from .privacy import write_secret_file
+
 SIGNING_KEY_ENV = "FORGETFUL_SIGNING_KEY_FILE"
 LEDGER, CHECKPOINT = "ledger.jsonl", "checkpoint.json"
 LOG_ID = "forgetful deletion log v2"
@@ -55,17 +57,13 @@ def page_path(cert_path) -> Path:
 
 def write_signing_key(path) -> Path:
     """A new Ed25519 private key (PEM) in a new owner-only file; never overwrites one."""
-    p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
     pem = Ed25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                      serialization.NoEncryption())
     try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return write_secret_file(path, pem)
     except FileExistsError:
-        raise EvidenceError(f"{p} exists already: a signing key is never overwritten") from None
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
-    return p
+        raise EvidenceError(f"{Path(path).expanduser()} exists already: a signing key is never overwritten") \
+            from None
 
 
 def load_signing_key(workspace) -> Ed25519PrivateKey:

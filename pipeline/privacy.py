@@ -59,18 +59,24 @@ def load_key(workspace=None) -> bytes:
     return key.encode()
 
 
-def write_new_key(path) -> Path:
-    """A fresh 256-bit key in a new file readable by its owner only; never overwrites one."""
+def write_secret_file(path, data: bytes) -> Path:
+    """``data`` in a new file readable by its owner only. Raises FileExistsError rather than overwrite a key
+    (what it recognises or signs would be lost)."""
     p = Path(path).expanduser()
     p.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise HashKeyError(f"{p} exists already: a key is never overwritten (deleted patients are recognised "
-                           f"by it)") from None
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32) + "\n")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
     return p
+
+
+def write_new_key(path) -> Path:
+    """A fresh 256-bit key in a new owner-only file; never overwrites one."""
+    try:
+        return write_secret_file(path, (secrets.token_hex(32) + "\n").encode())
+    except FileExistsError:
+        raise HashKeyError(f"{Path(path).expanduser()} exists already: a key is never overwritten (deleted "
+                           f"patients are recognised by it)") from None
 
 
 def fingerprint(key: bytes) -> str:
