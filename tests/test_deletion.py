@@ -1,6 +1,5 @@
 """Deletion without a Prefect server (the fast loop): a workspace built by the run's plain step functions."""
 import json
-import shutil
 
 import polars as pl
 import pytest
@@ -14,8 +13,9 @@ from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.privacy import keyed_hash, load_key, subject_ref
+from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
+from tests.workspaces import copy_ws, ref, subject_with_memory_tokens
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +30,10 @@ def plain_ws(tmp_path_factory):
     return ws
 
 
-def ref(subject_id):
-    """The patient's owner reference in memory token ids (a keyed hash)."""
-    return subject_ref(subject_id, load_key())
-
-
-def a_copy(ws, dest):
-    shutil.copytree(ws.root, dest)
-    return Workspace(dest)
-
-
-def held_subject(ws):
-    cm = CohortMemory.load(ws.checkpoints()[-1])
-    return next(s for s in sorted(pl.read_parquet(ws.results)["subject_id"].unique()) if cm.tokens_of(ref(s)))
-
-
 @pytest.mark.parametrize("mode", ["decrement", "replay"])
 def test_a_deletion_removes_every_row_and_its_certificate_verifies(plain_ws, tmp_path, mode):
-    ws = a_copy(plain_ws, tmp_path / "ws")
-    sid = held_subject(ws)
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
     cert, path = delete_subject(ws, sid, mode=mode)
     assert not any(scan_subject(ws, sid)[0].values()) and verify_certificate(path) == []
     assert cert["removed"]["source_rows"] > 0 and cert["residual_scan"]["rows_remaining"] == 0
@@ -61,8 +46,8 @@ def test_a_deletion_removes_every_row_and_its_certificate_verifies(plain_ws, tmp
 
 
 def test_a_request_travels_as_the_keyed_hash(plain_ws, tmp_path):
-    ws = a_copy(plain_ws, tmp_path / "ws")
-    sid = held_subject(ws)
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
     h = keyed_hash(sid, load_key(ws.root))
     assert resolve_subject(ws, h) == sid
     delete_subject(ws, sid)
@@ -75,7 +60,7 @@ def test_a_request_travels_as_the_keyed_hash(plain_ws, tmp_path):
 
 
 def test_a_broken_log_is_never_appended_to(plain_ws, tmp_path):
-    ws = a_copy(plain_ws, tmp_path / "ws")
+    ws = copy_ws(plain_ws, tmp_path / "ws")
     subjects = sorted(pl.read_parquet(ws.results)["subject_id"].unique())
     delete_subject(ws, subjects[0])
     entry = json.loads(ws.ledger.read_text())
@@ -102,7 +87,7 @@ def _append_late_rows(ws):
 def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_order(plain_ws, tmp_path):
     from cohorts.runs import load_scaler
     from cohorts.streams import cohort_stream
-    ws = a_copy(plain_ws, tmp_path / "ws")
+    ws = copy_ws(plain_ws, tmp_path / "ws")
     again = update_cohort_memory(ws, budget=24, tokens="events")
     assert again["fed"] == 0 and again["history"] == {"checked": True, "changed_before_watermark": False}
     watermark = CohortMemory.load(ws.checkpoints()[-1]).watermark
@@ -121,9 +106,9 @@ def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_ord
 
 @pytest.mark.parametrize("mode", ["decrement", "replay"])
 def test_after_a_deletion_the_next_run_finds_the_history_unchanged(plain_ws, tmp_path, mode):
-    ws = a_copy(plain_ws, tmp_path / "ws")
+    ws = copy_ws(plain_ws, tmp_path / "ws")
     subjects = sorted(pl.read_parquet(ws.results)["subject_id"].unique())
-    held = held_subject(ws)
+    held = subject_with_memory_tokens(ws)
     evicted = next(s for s in subjects if s != held and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(ref(s)))
     for sid in (held, evicted):                       # one with tokens in the memory, one fed and evicted
         delete_subject(ws, sid, mode=mode)

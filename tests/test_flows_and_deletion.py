@@ -17,8 +17,9 @@ from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
-from pipeline.privacy import keyed_hash, load_key, subject_ref
+from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
+from tests.workspaces import copy_ws, ref, subject_with_memory_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20, tokens="events")
@@ -37,28 +38,9 @@ def workspace(prefect_server, source, tmp_path_factory):
     return Workspace(root), out
 
 
-def ref(subject_id):
-    """The patient's owner reference in memory token ids (a keyed hash)."""
-    return subject_ref(subject_id, load_key())
-
-
 def hash_of(subject_id):
     """What the CLI hands the delete flow: the subject's keyed hash, never the raw id."""
     return keyed_hash(subject_id, load_key())
-
-
-def copy_ws(ws, dest):
-    shutil.copytree(ws.root, dest)
-    return Workspace(dest)
-
-
-def subject_with_memory_tokens(ws):
-    cm = CohortMemory.load(ws.checkpoints()[-1])
-    res = pl.read_parquet(ws.results)
-    for sid in res["subject_id"].unique().sort().to_list():
-        if cm.tokens_of(ref(sid)):
-            return sid
-    pytest.fail("no evaluation subject has tokens in the cohort memory")
 
 
 def test_scheduled_run_end_to_end(workspace):
