@@ -114,7 +114,8 @@ def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None)
     else:
         mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
     scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, store_key(ws.store, ws.root), scaler=scaler)
-    history = {"checked": mem.history is not None, "changed_before_watermark": False}
+    history = ({"checked": mem.history is not None, "changed_before_watermark": False} if same else
+               {"checked": False, "new_memory": True})
     if same and mem.history is not None and history_digest(order, keys, mem.watermark) != mem.history:
         base, base_mem = _unchanged_base(same[:-1], order, keys)
         history = {"checked": True, "changed_before_watermark": True,

@@ -180,7 +180,8 @@ def _cohort_memory(info):
     hist = info.get("history") or {}
     history = ("rows dated before the watermark arrived or changed: rebuilt from "
                f"{hist.get('rebuilt_from')}" if hist.get("changed_before_watermark") else
-               "unchanged" if hist.get("checked") else "not checked (a checkpoint from before the check)")
+               "unchanged" if hist.get("checked") else "a new memory: nothing was fed before" if
+               hist.get("new_memory") else "not checked (a checkpoint from before the check)")
     rows = [("stream", info.get("tokens_mode", "events")), ("fed this run", info.get("fed")),
             ("history before the watermark", history),
             ("held", info.get("tokens")), ("certified evictions", cert), ("uncertified evictions", unc),

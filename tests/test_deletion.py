@@ -1,5 +1,6 @@
 """Deletion without a Prefect server (the fast loop): a workspace built by the run's plain step functions."""
 import json
+import shutil
 
 import polars as pl
 import pytest
@@ -114,3 +115,9 @@ def test_after_a_deletion_the_next_run_finds_the_history_unchanged(plain_ws, tmp
         delete_subject(ws, sid, mode=mode)
     info = update_cohort_memory(ws, budget=24, tokens="events")
     assert info["history"] == {"checked": True, "changed_before_watermark": False} and info["fed"] == 0
+
+
+def test_a_new_cohort_memory_claims_no_history_check(plain_ws, tmp_path):
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    shutil.rmtree(ws.cohort_checkpoints)
+    assert update_cohort_memory(ws, budget=24, tokens="events")["history"] == {"checked": False, "new_memory": True}
