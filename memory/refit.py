@@ -1,12 +1,7 @@
 """Independent refit of a memory's retained tokens with scikit-learn, and the comparison report.
 
-Mapping (valid for constant-diagonal kernels, k(x, x) = k0; design note section 7): libsvm solves the one-class
-dual scaled so that 0 <= a_lib <= 1 and sum(a_lib) = nu * n. With n tokens and our fixed box C,
-
-    nu    = 1 / (n C)                         (in (0, 1] exactly when the problem is feasible)
-    a     = a_lib / (nu n)                    (ours: 0 <= a <= C, sum(a) = 1)
-    rho   = k0 - 2 rho_lib / (nu n),          rho_lib = -intercept_ = offset_
-    g(x)  = (2 / (nu n)) * decision_function(k(x, X))
+The refit maps libsvm's scaling to ours as ``memory.libsvm`` states; its decision values are then
+g(x) = (2 / (nu n)) * decision_function(k(x, X)).
 
 After a deletion the refit uses nu' = 1 / ((n - 1) C): C stays fixed, the retained problem is not re-tuned.
 libsvm stops at its own tolerance (~1e-8 on coefficients), so the report gives the raw comparison and one
@@ -15,36 +10,10 @@ against the refit snapped to an exact KKT point (memory.kkt.solve_exact) from sk
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.svm import OneClassSVM
 
 from .kernels import KERNEL_DIAGONAL, rbf
 from .kkt import BOUND, MARGIN, RESERVE, solve_exact
-
-
-def sklearn_fit(K_tokens, C, tol=1e-12):
-    """Fit OneClassSVM on a precomputed token Gram matrix; returns (alpha, rho) in our scaling."""
-    n = K_tokens.shape[0]
-    nu = 1.0 / (n * C)
-    if not 0.0 < nu <= 1.0 + 1e-12:
-        raise ValueError(f"infeasible refit: n * C = {n * C:.6g} < 1")
-    if nu >= 1.0 - 1e-12:
-        # n C = 1: the feasible set is the single point a = 1/n (libsvm returns non-finite rho here);
-        # every token is bound and rho is the top of its interval, min_i (k0 - 2 (K a)_i).
-        alpha = np.full(n, 1.0 / n)
-        return alpha, float(np.min(KERNEL_DIAGONAL["rbf"] - 2.0 * (K_tokens @ alpha)))
-    model = OneClassSVM(kernel="precomputed", nu=min(nu, 1.0), tol=tol, shrinking=False, max_iter=-1)
-    model.fit(K_tokens)
-    alpha = np.zeros(n)
-    alpha[model.support_] = model.dual_coef_.ravel() / (nu * n)
-    rho_lib = float(model.offset_[0])
-    return alpha, KERNEL_DIAGONAL["rbf"] - 2.0 * rho_lib / (nu * n)
-
-
-def sklearn_alpha_guess(K_atoms, mult, C):
-    """Atom coefficients from a sklearn fit with each atom expanded into its copies."""
-    rep = np.repeat(np.arange(len(mult)), mult)
-    alpha_tok, _ = sklearn_fit(K_atoms[np.ix_(rep, rep)], C)
-    return np.bincount(rep, weights=alpha_tok, minlength=len(mult))
+from .libsvm import sklearn_fit
 
 
 @dataclass
@@ -87,7 +56,7 @@ def verify_against_refit(memory, probes=None, n_jitter=64, seed=0, degenerate_to
     n_jitter : int
         Number of jittered copies of retained keys added to the probes.
     """
-    memory._check_fitted()
+    memory.check_fitted()
     tokens = memory.token_ids()
     X_tok = np.stack([memory.key_of(t) for t in tokens])
     gamma, C = memory.gamma, memory.C

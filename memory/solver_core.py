@@ -6,22 +6,8 @@ and gathered K[S, :n] into a temporary; compiled, the rows are read in place. ``
 decisions that are once per operation (feasibility, atoms, duplicates, repair) and calls these with its
 buffers, which they update in place.
 
-State shared with ``SVMemory`` (all capacity-sized, only the first n / m entries meaningful):
-
-* ``K`` (cap, cap) Gram matrix over atoms, symmetric, so row j is column j and is read contiguously;
-* ``alpha``, ``g`` (cap,), ``status`` int8 (cap,), ``box`` float64 (n,) = multiplicity * C; slots below n may
-  be ``FREE`` (their kernel rows and columns are stale and never read for a live atom's result); g is within
-  a stated bound (``g_err``) of the coefficients' fp64 g, see ``finish``;
-* ``S`` int64 (cap,): margin atoms, in the order of the inverse's rows 1..m;
-* ``KSS`` (mcap, mcap): K_SS in that order, top-left m block (the polish reads it contiguously instead of
-  gathering m^2 scattered entries of K); mcap, the margin buffers' capacity, is KSS's size: a sweep whose
-  margin set would outgrow it continues in doubled buffers (``enlarged_margin_buffers``), which it returns;
-* ``KS32`` float32 (mcap, cap): the margin atoms' kernel rows K[S[a], :n] rounded to single precision, row a for
-  S[a]. A sweep's steps locate their next event with it (see ``sweep``): half the bytes of the fp64 rows, so at
-  ~1,000 atoms the margin rows stay in a core's L2 cache instead of streaming from L3 at every step;
-* ``R`` (mcap + 1, mcap + 1): inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block;
-* ``ints`` int64 [m, updates since the last refactorisation];
-* ``guards`` int64 counters, indexed by ``GUARDS``.
+The state they work on is ``memory.solver_state.SolverBuffers`` (the arrays, updated in place; a sweep whose
+margin set outgrows its buffers returns new ones) and ``SolverSettings`` (the solver's constants).
 """
 import math
 
@@ -29,6 +15,7 @@ import numpy as np
 from numba import njit
 
 from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE
+from .solver_state import GUARDS, SolverBuffers  # noqa: F401 -- GUARDS names the counters indexed below
 
 DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
 # A slot whose atom was deleted, until a new atom takes it: a zero coefficient and box, no set, so every loop
@@ -36,8 +23,6 @@ DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R du
 # rewriting that atom's kernel column, n strided stores (as much as one pass over the margin rows).
 FREE = 4
 
-GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inverse", "pinv", "iteration_cap",
-          "unconverged_refinement", "repair")
 _REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP, _UNCONVERGED = range(7)
 _REFINE_STEPS = 6
 _REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse is rebuilt
@@ -84,8 +69,9 @@ def _copy_row32(K, j, n, KS32, a):
 
 
 @njit(cache=True)
-def refactor(K, S, KSS, ints, R, guards):
+def refactor(buf):
     """Recompute K_SS and the bordered inverse from K (pseudo-inverse when it is numerically singular)."""
+    K, S, KSS, ints, R, guards = buf.K, buf.S, buf.KSS, buf.ints, buf.R, buf.guards
     m = ints[0]
     ints[1] = 0
     if m == 0:
@@ -109,15 +95,15 @@ def refactor(K, S, KSS, ints, R, guards):
 
 
 @njit(cache=True)
-def _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max):
+def _after_update(buf, cfg, r_max):
     """Count a rank-one update; refactor on schedule or when the update (largest entry: ``r_max``) blew up."""
-    ints[1] += 1
-    if ints[1] >= refactor_every:
-        guards[_SCHEDULED] += 1
-        refactor(K, S, KSS, ints, R, guards)
-    elif r_max > r_cap:
-        guards[_LARGE] += 1
-        refactor(K, S, KSS, ints, R, guards)
+    buf.ints[1] += 1
+    if buf.ints[1] >= cfg.refactor_every:
+        buf.guards[_SCHEDULED] += 1
+        refactor(buf)
+    elif r_max > cfg.r_cap:
+        buf.guards[_LARGE] += 1
+        refactor(buf)
 
 
 @njit(cache=True)
@@ -165,7 +151,7 @@ def _rank_one_update(R, size, u, scale):
 
 
 @njit(cache=True)
-def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap):
+def grow(buf, cfg, n, j):
     """Append atom j to the margin set by a rank-one growth of the bordered inverse.
 
     Returns (grown, beta_j, pivot): beta_j = -R [1; 2 K_Sj] (the rates of rho and a_S per unit a_j over the
@@ -173,6 +159,7 @@ def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_ca
     False, with nothing changed, when the pivot fails the relative test: j's kernel column is then numerically
     dependent on the margin set's.
     """
+    K, S, KSS, KS32, ints, R = buf.K, buf.S, buf.KSS, buf.KS32, buf.ints, buf.R
     m = ints[0]
     if m == 0:
         S[0] = j
@@ -187,8 +174,8 @@ def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_ca
     v, beta = _border_solve(K, S, m, R, j)
     vb = v @ beta
     pivot = 2.0 * K[j, j] + vb
-    if abs(pivot) <= rel_pivot * (abs(2.0 * K[j, j]) + abs(vb)) or abs(pivot) <= 1e-12:
-        guards[_REFUSED] += 1
+    if abs(pivot) <= cfg.rel_pivot * (abs(2.0 * K[j, j]) + abs(vb)) or abs(pivot) <= 1e-12:
+        buf.guards[_REFUSED] += 1
         return False, beta, pivot
     # Updated as a bitwise-symmetric matrix: entry (a, b) adds (beta_a beta_b) / pivot, the product formed
     # before the scaling, so (a, b) and (b, a) round identically. The solver multiplies by R's rows as if they
@@ -210,17 +197,18 @@ def grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_ca
     KSS[m, m] = row[j]
     _copy_row32(K, j, n, KS32, m)
     ints[0] = m + 1
-    _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max)
+    _after_update(buf, cfg, r_max)
     return True, beta, pivot
 
 
 @njit(cache=True)
-def shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap):
+def shrink(buf, cfg, n, pos):
     """Remove the margin atom at position ``pos`` of S from the bordered inverse.
 
     The last margin atom takes its place (in S and in the inverse's rows and columns): O(|S|) moves besides
     the O(|S|^2) rank-one downdate.
     """
+    S, KSS, KS32, ints, R = buf.S, buf.KSS, buf.KS32, buf.ints, buf.R
     m = ints[0]
     k = pos + 1
     rkk = R[k, k]
@@ -234,8 +222,8 @@ def shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap):
         moved[i] = last[i]
     ints[0] = m - 1
     if abs(rkk) <= 1e-300:
-        guards[_SMALL_PIVOT] += 1
-        refactor(K, S, KSS, ints, R, guards)
+        buf.guards[_SMALL_PIVOT] += 1
+        refactor(buf)
         return
     col = R[k, :m + 1].copy()  # = column k (R is bitwise symmetric)
     r_max = _rank_one_update(R, m + 1, col, -1.0 / rkk)
@@ -244,7 +232,7 @@ def shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap):
         R[k, b] = R[m, b]
     for a in range(m + 1):
         R[a, k] = R[a, m]
-    _after_update(K, S, KSS, ints, R, guards, refactor_every, r_cap, r_max)
+    _after_update(buf, cfg, r_max)
 
 
 @njit(cache=True)
@@ -369,23 +357,23 @@ def _beta_with(beta, beta_j, lam, m):
 
 
 @njit(cache=True)
-def enlarged_margin_buffers(R, KSS, KS32, m, n, need, atom_cap):
-    """The margin buffers R, KSS, KS32 for at least ``need`` margin atoms (doubled, at most to the atoms'
-    capacity), their first m (+1) rows and columns kept. A sweep whose margin set outgrows them goes on in
-    these, the same path as in larger ones; the caller sizes them for a margin set it sets from outside."""
-    mcap = min(max(2 * KSS.shape[0], need), atom_cap)
+def enlarged_margin_buffers(buf, n, need):
+    """``buf`` with margin buffers R, KSS, KS32 for at least ``need`` margin atoms (doubled, at most to the
+    atoms' capacity), their first m (+1) rows and columns kept. A sweep whose margin set outgrows them goes on
+    in these, the same path as in larger ones; the caller sizes them for a margin set it sets from outside."""
+    R, KSS, KS32, m = buf.R, buf.KSS, buf.KS32, buf.ints[0]
+    mcap = min(max(2 * KSS.shape[0], need), buf.K.shape[0])
     R2 = np.zeros((mcap + 1, mcap + 1))
     R2[:m + 1, :m + 1] = R[:m + 1, :m + 1]
     KSS2 = np.zeros((mcap, mcap))
     KSS2[:m, :m] = KSS[:m, :m]
     KS32_2 = np.zeros((mcap, KS32.shape[1]), dtype=np.float32)
     KS32_2[:m, :n] = KS32[:m, :n]
-    return R2, KSS2, KS32_2
+    return SolverBuffers(buf.K, buf.g, buf.alpha, buf.status, buf.box, buf.S, KSS2, KS32_2, buf.ints, R2, buf.guards)
 
 
 @njit(cache=True)
-def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, target, rho, diag, eps, rel_pivot,
-          refactor_every, r_cap, beta_start, g_err):
+def sweep(buf, cfg, n, c, s, target, rho, beta_start, g_err):
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
 
     Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching 0
@@ -400,9 +388,10 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
     carry the bounded error: ``g_err`` bounds it on entry (0: g is the fp64 g of the coefficients), and the
     grown bound is returned; g is recomputed from the coefficients should it pass ``_G_RESYNC``.
 
-    Returns (outcome, rho, g_err, R, KSS, KS32): the margin buffers are new, larger ones when the margin set
-    outgrew them.
+    Returns (outcome, rho, g_err, buf): ``buf`` holds new, larger margin buffers when the margin set outgrew them.
     """
+    K, g, alpha, status, box, S, ints, R = buf.K, buf.g, buf.alpha, buf.status, buf.box, buf.S, buf.ints, buf.R
+    diag, eps = cfg.diag, cfg.eps
     skip = -1
     g_err += _G_SLACK
     # beta carried over from the last event (see below), or given for the first step, instead of solved afresh
@@ -428,7 +417,7 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             w = (2.0 * s) * beta[1:]
             for i in range(n):
                 rate_g[i] = s * (2.0 * row[i] + beta[0])
-            _accumulate_rows(KS32, margin_rows, w, m, n, rate_g)
+            _accumulate_rows(buf.KS32, margin_rows, w, m, n, rate_g)
             for a in range(m):
                 rate_g[S[a]] = 0.0
             rate_g[c] = _exact_rate(K, S, m, c, s, beta[0], w, c)
@@ -474,8 +463,8 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
                 # caller's polish verifies the result's KKT residual.
                 alpha[c] = target
                 status[c] = BOUND
-                return SWEPT_TO_TARGET, rho, g_err, R, KSS, KS32
-            return SWEPT_NO_EVENT, rho, g_err, R, KSS, KS32
+                return SWEPT_TO_TARGET, rho, g_err, buf
+            return SWEPT_NO_EVENT, rho, g_err, buf
 
         t = best_t
         for a in range(m):
@@ -495,17 +484,18 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
         if kind == 0:
             alpha[c] = target
             status[c] = BOUND
-            return SWEPT_TO_TARGET, rho, g_err, R, KSS, KS32
-        if (kind == 1 or kind >= 4) and ints[0] == KSS.shape[0]:
-            R, KSS, KS32 = enlarged_margin_buffers(R, KSS, KS32, ints[0], n, ints[0] + 1, K.shape[0])
+            return SWEPT_TO_TARGET, rho, g_err, buf
+        if (kind == 1 or kind >= 4) and ints[0] == buf.KSS.shape[0]:
+            buf = enlarged_margin_buffers(buf, n, ints[0] + 1)
+            R = buf.R
         # The next step's beta follows from this one's (O(|S|) instead of a solve with the inverse, O(|S|^2)):
         # a margin atom that leaves keeps its coefficient, so beta loses the component along that atom's column
         # of the inverse; an atom that joins moves at the rate lambda that holds its g, beta_j lambda added.
         if kind == 1:
             g[c] = 0.0
-            if grow(K, S, KSS, KS32, ints, R, guards, n, c, rel_pivot, refactor_every, r_cap)[0]:
+            if grow(buf, cfg, n, c)[0]:
                 status[c] = MARGIN
-                return SWEPT_TO_MARGIN, rho, g_err, R, KSS, KS32
+                return SWEPT_TO_MARGIN, rho, g_err, buf
             c_frozen = True  # g_c no longer moves with a_c: keep raising a_c at g_c = 0
             beta_known = m > 0
         elif kind == 2 or kind == 3:
@@ -515,11 +505,11 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             if m > 1 and abs(R[k, k]) > 1e-300:
                 beta = _beta_without(R, m, beta, k)
                 beta_known = True
-            shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap)
+            shrink(buf, cfg, n, pos)
             status[j] = BOUND if kind == 2 else RESERVE
         else:
             g[j] = 0.0
-            grown, beta_j, pivot = grow(K, S, KSS, KS32, ints, R, guards, n, j, rel_pivot, refactor_every, r_cap)
+            grown, beta_j, pivot = grow(buf, cfg, n, j)
             if grown:
                 status[j] = MARGIN
                 if m > 0:
@@ -528,8 +518,8 @@ def sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, targ
             else:
                 frozen[j] = True
                 beta_known = m > 0
-    guards[_ITER_CAP] += 1
-    return SWEPT_ITERATION_CAP, rho, g_err, R, KSS, KS32
+    buf.guards[_ITER_CAP] += 1
+    return SWEPT_ITERATION_CAP, rho, g_err, buf
 
 
 @njit(cache=True)
@@ -567,7 +557,7 @@ def _refine(KSS, R, m, rhs, u):
 
 
 @njit(cache=True)
-def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho):
+def polish(buf, cfg, n, exclude, rho):
     """Re-solve the bordered system on the current partition with the maintained inverse (iterative
     refinement from the current (rho, a_S), which after a sweep is within rounding of the solution; the
     inverse is rebuilt once when that does not converge), moving margin atoms that sit on a bound to that
@@ -577,6 +567,7 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
     midpoint), the bordered system's residual at the end state (length |S| + 1: the sum constraint's, then the
     margin atoms' -g) and sum |d a| over the coefficients it changed.
     """
+    K, alpha, status, box, S, ints = buf.K, buf.alpha, buf.status, buf.box, buf.S, buf.ints
     refactored = False
     moved = 0.0
     while True:
@@ -602,7 +593,7 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
             for e in range(n_e):
                 rhs[0] -= box[E[e]]
             for a in range(m):
-                rhs[a + 1] = diag
+                rhs[a + 1] = cfg.diag
             for e in range(n_e):
                 row = K[E[e]]
                 w = 2.0 * box[E[e]]
@@ -614,16 +605,16 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
                 for a in range(m):
                     u[a + 1] = alpha[S[a]]
             else:
-                u = _matvec(R, m + 1, rhs)
-            resid = _refine(KSS, R, m, rhs, u)
+                u = _matvec(buf.R, m + 1, rhs)
+            resid = _refine(buf.KSS, buf.R, m, rhs, u)
             if np.abs(resid).max() > _REFINE_TOL and not refactored:
                 # The maintained inverse has drifted too far for refinement to converge (ill-conditioned
                 # margin sets): rebuild it from K and solve again.
-                guards[_UNCONVERGED] += 1
-                refactor(K, S, KSS, ints, R, guards)
+                buf.guards[_UNCONVERGED] += 1
+                refactor(buf)
                 refactored = True
-                u = _matvec(R, m + 1, rhs)
-                resid = _refine(KSS, R, m, rhs, u)
+                u = _matvec(buf.R, m + 1, rhs)
+                resid = _refine(buf.KSS, buf.R, m, rhs, u)
             rho = u[0]
             for a in range(m):
                 moved += abs(u[a + 1] - alpha[S[a]])
@@ -634,7 +625,7 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
             i = S[a]
             if alpha[i] <= BOUNDARY_SNAP or alpha[i] >= box[i] - BOUNDARY_SNAP:
                 status[i] = RESERVE if alpha[i] <= BOUNDARY_SNAP else BOUND
-                shrink(K, S, KSS, KS32, ints, R, guards, n, a, refactor_every, r_cap)
+                shrink(buf, cfg, n, a)
                 snapped = True
             else:
                 a += 1
@@ -643,8 +634,7 @@ def polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, dia
 
 
 @njit(cache=True)
-def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag, refactor_every, r_cap, rho,
-           g_err):
+def finish(buf, cfg, n, exclude, rho, g_err):
     """End of an operation: polish (from the current coefficients and ``rho``), then the exact KKT residual of
     the end state.
 
@@ -660,10 +650,10 @@ def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, 
     Returns (rho, residual, g_err); with an empty margin set rho is not pinned by the system and (nan, nan, nan)
     is returned: the caller sets the midpoint rho and recomputes g.
     """
+    K, alpha, g, status, S, diag = buf.K, buf.alpha, buf.g, buf.status, buf.S, cfg.diag
     rho_before = rho
-    rho, resid, moved = polish(K, alpha, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag,
-                               refactor_every, r_cap, rho)
-    m = ints[0]
+    rho, resid, moved = polish(buf, cfg, n, exclude, rho)
+    m = buf.ints[0]
     if m == 0:
         return math.nan, math.nan, math.nan
     g_err += abs(rho - rho_before) + 2.0 * diag * moved  # inf (never nan) when rho_before was not known
@@ -674,7 +664,7 @@ def finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, 
                 g[S[a]] = -resid[a + 1]
             return rho, max(worst, np.abs(resid).max()), g_err
     exact_g(K, alpha, n, rho, diag, g)
-    return rho, residual(alpha, g, box, status, n, exclude), 0.0
+    return rho, residual(alpha, g, buf.box, status, n, exclude), 0.0
 
 
 @njit(cache=True)
@@ -701,17 +691,17 @@ def _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err):
 
 
 @njit(cache=True)
-def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s, rho, diag, eps, rel_pivot,
-                     refactor_every, r_cap, g_err):
+def move_coefficient(buf, cfg, n, c, s, rho, g_err):
     """One solver operation in a single compiled call: take atom c out of its set, sweep a_c to its new box
     ``box[c]`` (s = +1 after a token was added, -1 after one was removed), then ``finish``. An atom swept down
     to a zero box is left in the reserve set and excluded from the end state (the caller drops it). ``g`` is
     within ``g_err`` of the coefficients' fp64 g on entry, and g_c exact.
 
-    Returns (outcome, rho, residual, g_err, R, KSS, KS32): the sweep's outcome (the state is unfinished unless
-    it is SWEPT_TO_TARGET or SWEPT_TO_MARGIN), ``finish``'s rho, residual and error bound of g (the sweep's when
-    unfinished), and the margin buffers (larger ones when the margin set outgrew them).
+    Returns (outcome, rho, residual, g_err, buf): the sweep's outcome (the state is unfinished unless it is
+    SWEPT_TO_TARGET or SWEPT_TO_MARGIN), ``finish``'s rho, residual and error bound of g (the sweep's when
+    unfinished), and the buffers (with larger margin buffers when the margin set outgrew them).
     """
+    alpha, status, box, S, ints, R = buf.alpha, buf.status, buf.box, buf.S, buf.ints, buf.R
     beta = np.zeros(0)
     if status[c] == MARGIN:
         pos = position(S, ints[0], c)
@@ -723,20 +713,18 @@ def move_coefficient(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n,
             unit = np.zeros(m + 1)
             unit[k] = -1.0  # _beta_without then gives R[:, k] / R_kk, ordered as after the shrink
             beta = _beta_without(R, m, unit, k)
-        shrink(K, S, KSS, KS32, ints, R, guards, n, pos, refactor_every, r_cap)
+        shrink(buf, cfg, n, pos)
     status[c] = DETACHED
-    outcome, rho, g_err, R, KSS, KS32 = sweep(K, g, alpha, status, box, S, KSS, KS32, ints, R, guards, n, c, s,
-                                              box[c], rho, diag, eps, rel_pivot, refactor_every, r_cap, beta, g_err)
+    outcome, rho, g_err, buf = sweep(buf, cfg, n, c, s, box[c], rho, beta, g_err)
     if outcome != SWEPT_TO_TARGET and outcome != SWEPT_TO_MARGIN:
-        return outcome, rho, math.nan, g_err, R, KSS, KS32
+        return outcome, rho, math.nan, g_err, buf
     exclude = -1
     if box[c] == 0.0:
         alpha[c] = 0.0
         status[c] = RESERVE
         exclude = c
-    rho_end, res, g_err = finish(K, alpha, g, status, box, S, KSS, KS32, ints, R, guards, n, exclude, diag,
-                                 refactor_every, r_cap, rho, g_err)
-    return outcome, rho_end, res, g_err, R, KSS, KS32
+    rho_end, res, g_err = finish(buf, cfg, n, exclude, rho, g_err)
+    return outcome, rho_end, res, g_err, buf
 
 
 @njit(cache=True)

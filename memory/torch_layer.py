@@ -42,17 +42,12 @@ class SVCoefficients(torch.autograd.Function):
             raise ValueError(f"n = {len(Xn)} keys are infeasible for C = {C} (needs n C >= 1)")
         alpha_tok = mem.alpha_
         alpha = torch.tensor([alpha_tok[i] for i in range(len(Xn))], dtype=X.dtype, device=X.device)
-        n = mem.n_atoms
-        atom_of = np.array([mem._slot(i) for i in range(len(Xn))])
+        system = mem.kkt_system()
         ctx.save_for_backward(X)
         ctx.gamma, ctx.C = gamma, C
-        ctx.atom_of = atom_of
-        ctx.S = mem._margin().copy()
-        ctx.R = mem._kkt_inverse().copy()
-        ctx.alpha_atoms = mem._alpha[:n].copy()
-        ctx.status = mem._status[:n].copy()
-        ctx.box = mem._box()[:n].copy()
-        ctx.mult = mem._mult[:n].copy()
+        ctx.atom_of = system.atom_of_token
+        ctx.S, ctx.R = system.margin, system.inverse
+        ctx.alpha_atoms, ctx.status, ctx.box, ctx.mult = system.alpha, system.status, system.box, system.mult
         return alpha, torch.tensor(mem.rho_, dtype=X.dtype, device=X.device)
 
     @staticmethod

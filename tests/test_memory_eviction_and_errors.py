@@ -163,18 +163,18 @@ def test_deleted_atoms_leave_free_slots_that_no_saved_state_or_new_atom_keeps_a_
     keys = [mem.key_of(t) for t in victims]
     for t in victims:
         mem.remove(t)
-    assert mem.n_atoms == len(kept) == twin.n_atoms and mem._free
+    assert mem.n_atoms == len(kept) == twin.n_atoms and mem._atoms.free
     mem.save(tmp_path / "m.npz")
     with np.load(tmp_path / "m.npz") as z:
         for k in keys:
             assert not np.any(np.all(z["X"] == k, axis=1))
-        free = np.array(sorted(SVMemory.load(tmp_path / "m.npz")._free))
+        free = np.array(sorted(SVMemory.load(tmp_path / "m.npz")._atoms.free))
         assert np.all(z["K"][free] == 0.0) and np.all(z["K"][:, free] == 0.0) and np.all(z["X"][free] == 0.0)
     x = rng.standard_normal(3)
-    slot_before = sorted(mem._free)
+    slot_before = sorted(mem._atoms.free)
     mem.add(x, np.ones(2), token_id="new")
     twin.add(x, np.ones(2), token_id="new")
-    assert mem._slot("new") in slot_before
+    assert mem._atoms.slot_of("new") in slot_before
     Q = rng.standard_normal((30, 3))
     assert np.max(np.abs(mem.decision_function(Q) - twin.decision_function(Q))) <= 1e-10
     assert mem.partition() == twin.partition()
@@ -268,7 +268,7 @@ def test_a_failed_first_fit_leaves_the_memory_as_it_was_and_a_later_add_fits(mon
     residual above tol) the add must raise, store nothing, and leave the memory unfitted with its tokens."""
     import dataclasses
 
-    import memory.svmemory as svm
+    import memory.exact_solver as svm
     rng = np.random.default_rng(4)
     mem = SVMemory(C=1 / 4, gamma=0.5)
     first = [mem.add(x) for x in rng.standard_normal((3, 2))]

@@ -55,9 +55,9 @@ def check_maintained_g(mem):
     summation-order differences aside: 1e-13), and whatever reads g gets it exact."""
     live = mem._live_slots()
     exact = mem._exact_g()[live]
-    assert np.all(np.abs(mem._g[live] - exact) <= mem._g_err + 1e-13)
+    assert np.all(np.abs(mem._buf.g[live] - exact) <= mem._g_err + 1e-13)
     tid = mem.token_ids()[0]
-    assert abs(mem.decision_value_of(tid) - exact[list(live).index(mem._slot(tid))]) <= 1e-13 and mem._g_err == 0
+    assert abs(mem.decision_value_of(tid) - exact[list(live).index(mem._atoms.slot_of(tid))]) <= 1e-13 and mem._g_err == 0
 
 
 def check_refit(mem, probes=None):
@@ -228,17 +228,17 @@ def test_single_precision_rates_are_within_their_stated_bound(regime):
     mem = SVMemory(C=1 / 24, gamma=0.7)
     for x in make_keys(rng, regime, 300, 4):
         mem.add(x)
-    n, m = mem._n, int(mem._ints[0])
-    S = mem._Sbuf[:m]
+    n, m = mem._n, int(mem._buf.ints[0])
+    S = mem._buf.S[:m]
     assert m > 10
     worst = 0.0
-    for c in np.flatnonzero(mem._status[:n] != 1)[:40]:
-        _, beta = core._border_solve(mem._K, mem._Sbuf, m, mem._Rbuf, c)
+    for c in np.flatnonzero(mem._buf.status[:n] != 1)[:40]:
+        _, beta = core._border_solve(mem._buf.K, mem._buf.S, m, mem._buf.R, c)
         for s in (1.0, -1.0):
             w = (2.0 * s) * beta[1:]
-            approx = s * (2.0 * mem._K[c, :n] + beta[0])
-            core._accumulate_rows(mem._KS32, np.arange(m), w, m, n, approx)
-            exact = s * (2.0 * mem._K[c, :n] + beta[0]) + mem._K[:n, S] @ w
+            approx = s * (2.0 * mem._buf.K[c, :n] + beta[0])
+            core._accumulate_rows(mem._buf.KS32, np.arange(m), w, m, n, approx)
+            exact = s * (2.0 * mem._buf.K[c, :n] + beta[0]) + mem._buf.K[:n, S] @ w
             bound = core._rate_error(w, m, 1.0, beta[0])
             gap = np.abs(approx - exact).max()
             assert gap <= bound
@@ -251,13 +251,16 @@ def test_refactorisation_falls_back_to_the_pseudo_inverse_on_a_singular_margin_s
     then take the pseudo-inverse (counted) instead of failing or returning non-finite entries."""
     from memory import solver_core as core
     from memory.kkt import bordered_matrix
+    from memory.solver_state import SolverBuffers
     X = np.array([[0.0, 0.0], [0.0, 0.0], [1.0, 0.5]])  # rows 0 and 1 equal: K's rows 0 and 1 are equal
     K = np.zeros((4, 4))
     K[:3, :3] = rbf(X, X, 0.8)
     S = np.array([0, 1, 2, 0])
     KSS, R = np.zeros((4, 4)), np.zeros((5, 5))
     ints, guards = np.array([3, 7]), np.zeros(len(core.GUARDS), dtype=np.int64)
-    core.refactor(K, S, KSS, ints, R, guards)
+    core.refactor(SolverBuffers(K=K, g=np.zeros(4), alpha=np.zeros(4), status=np.zeros(4, dtype=np.int8),
+                                box=np.zeros(4), S=S, KSS=KSS, KS32=np.zeros((4, 4), dtype=np.float32), ints=ints,
+                                R=R, guards=guards))
     assert guards[core.GUARDS.index("pinv")] == 1 and ints[1] == 0
     M, Rm = bordered_matrix(K, S[:3]), R[:4, :4]
     assert np.all(np.isfinite(Rm)) and np.array_equal(Rm, Rm.T)
@@ -278,7 +281,7 @@ def test_the_maintained_g_stays_within_its_error_bound_between_operations():
         part = mem.partition()
         mem.remove(sorted(part.margin | part.bound)[int(rng.integers(len(part.margin | part.bound)))])
         live = mem._live_slots()
-        gap = np.abs(mem._g[live] - mem._exact_g()[live]).max()
+        gap = np.abs(mem._buf.g[live] - mem._exact_g()[live]).max()
         assert gap <= mem._g_err + 1e-13 and mem._g_err <= core._G_RESYNC
         if mem._g_err:
             stale += 1
@@ -303,7 +306,7 @@ def test_a_margin_set_that_outgrows_its_buffers_takes_the_same_path_in_larger_on
         roomy.add(x)
         small.add(x)
     assert small.state_digest() == roomy.state_digest() and small.kkt_residual() <= KKT_TOL
-    assert 2 < small._KSS.shape[0] < small._cap and len(small.partition().margin) > small._KSS.shape[0] // 2
+    assert 2 < small._buf.KSS.shape[0] < small._cap and len(small.partition().margin) > small._buf.KSS.shape[0] // 2
     for _ in range(10):
         part = small.partition()
         removed = sorted(part.margin | part.bound)[int(rng.integers(len(part.margin | part.bound)))]
@@ -324,17 +327,17 @@ def test_near_atoms_are_re_evaluated_exactly_or_every_g_is_left_for_a_full_recom
     for x in rng.standard_normal((60, 3)):
         mem.add(x)
     n, exact = mem._n, mem._exact_g()
-    reserve = np.flatnonzero(mem._status[:n] == RESERVE)
+    reserve = np.flatnonzero(mem._buf.status[:n] == RESERVE)
     assert len(reserve) > core._NEAR_EXACT + 1
     g_err = 1e-3
     g = exact.copy()
     g[reserve[:3]] = [-5e-4, 0.0, 5e-4]  # three near atoms, their maintained g off by up to the bound
-    worst = core._refresh_near(mem._K, mem._alpha, g, mem._status, n, -1, mem.rho_, 1.0, g_err)
-    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(mem._K, mem._alpha, n, mem.rho_, 1.0, i)
+    worst = core._refresh_near(mem._buf.K, mem._buf.alpha, g, mem._buf.status, n, -1, mem.rho_, 1.0, g_err)
+    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(mem._buf.K, mem._buf.alpha, n, mem.rho_, 1.0, i)
                                            for i in reserve[:3]])
     assert worst == max(0.0, -g[reserve[:3]].min()) and worst <= 1e-15
     g = exact.copy()
     g[reserve[:core._NEAR_EXACT + 1]] = 0.0
     before = g.copy()
-    assert core._refresh_near(mem._K, mem._alpha, g, mem._status, n, -1, mem.rho_, 1.0, g_err) == -1.0
+    assert core._refresh_near(mem._buf.K, mem._buf.alpha, g, mem._buf.status, n, -1, mem.rho_, 1.0, g_err) == -1.0
     assert np.array_equal(g, before)
