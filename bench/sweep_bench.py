@@ -63,14 +63,14 @@ def main(argv=None):
         if args.tokens == "hourly":
             return token_bench(Workspace(tmp), args, t_extract)
         streams, _ = evaluation_streams(Path(tmp) / "store", load_config())
-    n_events = sum(len(s["keys"]) for s in streams)
+    n_events = sum(len(s) for s in streams)
     print(f"{len(streams)} evaluation stays, {n_events} events (median "
           f"{int(np.median([len(s['keys']) for s in streams]))} per stay)")
 
     # A sample spread over the stay lengths, so the table is not the shortest stays only.
-    by_len = sorted(streams, key=lambda s: len(s["keys"]))
+    by_len = sorted(streams, key=len)
     sample = [by_len[i] for i in np.linspace(0, len(by_len) - 1, min(args.sample_stays, len(by_len))).astype(int)]
-    sample_events = sum(len(s["keys"]) for s in sample)
+    sample_events = sum(len(s) for s in sample)
     names = [p for p in POLICIES if p != "sv_learned"]
     score_stay(sample[0], 8, policy_names=("sv_certified",))  # compiled code loaded outside the timings
     print(f"\n## microseconds per event, {len(sample)} stays ({sample_events} events), one process")

@@ -17,6 +17,7 @@ bootstrap CI and a two-sided sign-flip permutation p-value (10,000 resamples, se
 """
 import os
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,18 +28,39 @@ DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256)
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2)
 
 
+@dataclass(frozen=True)
+class EventStream:
+    """One evaluation stay's raw events in time order (events mode), one row per event.
+
+    ``keys``: fp64 event keys (``pipeline.keys.EventKeyer``); ``learned_keys``: the trained encoder's keys, when
+    the run has one; ``memory_path``: where the stay's SV memory is persisted, when it is.
+    """
+    stay_id: int
+    subject_id: int | None
+    keys: np.ndarray
+    hours: np.ndarray
+    deteriorating: np.ndarray
+    rare: np.ndarray
+    learned_keys: np.ndarray | None = None
+    memory_path: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 def _uniform_readout(Q, X, gamma):
     W = rbf(Q, X, gamma)
     return (W @ X) / np.maximum(W.sum(1, keepdims=True), 1e-300)
 
 
-def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_probe=32, save_memory_to=None):
-    """Metrics of every policy on one stay (``stay``: dict with keys, hours, deteriorating, rare arrays).
+def score_stay(stay: EventStream, budget: int, policy_names=tuple(POLICIES), gamma: float = 0.5, seed: int = 0,
+               n_probe: int = 32, save_memory_to=None) -> dict:
+    """Metrics of every policy on one stay.
 
     ``save_memory_to``: a path where the SV policy's final memory state is persisted (the per-stay memory).
     """
-    keys, hours = stay["keys"], stay["hours"]
-    det, rare = stay["deteriorating"], stay["rare"]
+    keys, hours = stay.keys, stay.hours
+    det, rare = stay.deteriorating, stay.rare
     n = len(keys)
     det_hours = np.unique(hours[det])
     last_of_hour = {h: int(np.flatnonzero(hours == h).max()) for h in det_hours}
@@ -48,7 +70,7 @@ def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_
     full = _uniform_readout(probes, keys, gamma)
     out = {}
     for name in policy_names:
-        own = stay.get("learned_keys") if name == "sv_learned" else keys
+        own = stay.learned_keys if name == "sv_learned" else keys
         if own is None:
             continue  # no trained encoder in this run
         pol = POLICIES[name](budget, gamma=gamma, seed=seed) if name == "random" else POLICIES[name](budget,
@@ -80,7 +102,7 @@ def score_stay(stay, budget, policy_names=tuple(POLICIES), gamma=0.5, seed=0, n_
 
 def _score_task(args):
     stay, budget, policies, gamma, save_to = args
-    return stay["stay_id"], budget, score_stay(stay, budget, policies, gamma=gamma, seed=int(stay["stay_id"]),
+    return stay.stay_id, budget, score_stay(stay, budget, policies, gamma=gamma, seed=int(stay.stay_id),
                                                save_memory_to=save_to)
 
 
@@ -111,14 +133,14 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
     # cap) is the same deterministic computation, so its rows are copies under its own label.
     tasks, task_of, labels = [], {}, []
     for stay in stays:
-        n = len(stay["keys"])
+        n = len(stay)
         points = [(str(int(b)), int(b)) for b in budgets]
         points += [(f"f{f:g}", fraction_budget(f, n, fraction_cap)) for f in fractions]
         for label, b in points:
-            key = (stay["stay_id"], b)
+            key = (stay.stay_id, b)
             if key not in task_of:
                 task_of[key] = len(tasks)
-                save_to = stay.get("memory_path") if memory_budget == b else None
+                save_to = stay.memory_path if memory_budget == b else None
                 tasks.append((stay, b, policies, gamma, save_to))
             labels.append((label, task_of[key]))
     workers = workers or os.cpu_count() or 1
@@ -127,7 +149,7 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
             results = list(ex.map(_score_task, tasks, chunksize=4))
     else:
         results = [_score_task(t) for t in tasks]
-    subject = {s["stay_id"]: s.get("subject_id") for s in stays}
+    subject = {s.stay_id: s.subject_id for s in stays}
     out = []
     for label, i in labels:
         stay_id, _, per_policy = results[i]
@@ -136,11 +158,7 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
     return out
 
 
-def _events(stay):
-    return len(stay["keys"])
-
-
-def balanced_chunks(stays, n_chunks, size=_events):
+def balanced_chunks(stays, n_chunks, size=len):
     """Split stays into at most ``n_chunks`` lists of about equal work (``size``: events), heaviest list first.
 
     Longest-processing-time greedy: a round-robin split put the demo's one 40,000-event stay in a chunk that

@@ -6,6 +6,7 @@ aggregates or paths, so the flows that compose them carry no patient-level data 
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
@@ -172,9 +173,8 @@ def workspace_event_streams(ws, max_events=None) -> tuple[list, dict]:
     with the path its per-stay memory is persisted to."""
     encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
     streams, cohort = evaluation_streams(ws.store, workspace_config(ws.root), max_events=max_events, encoder=encoder)
-    for s, path in zip(streams, stay_memory_paths(ws, [s["stay_id"] for s in streams])):
-        s["memory_path"] = path
-    return streams, cohort
+    paths = stay_memory_paths(ws, [s.stay_id for s in streams])
+    return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
 
 
 def workspace_token_streams(ws) -> tuple[list, StreamingSettings, dict]:

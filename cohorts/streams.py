@@ -9,12 +9,13 @@ from pipeline.privacy import subject_ref
 from .characteristics import describe_cohort
 from .definitions import build_cohort, label_events, stay_events
 from .encoder_data import encode
+from .evaluation import EventStream
 from .tokens import build_tokens
 
 
-def evaluation_streams(store, cfg, max_events=None, encoder=None):
-    """(streams, cohort summary). Each stream: stay_id, keys (fp64), hours, deteriorating, rare, and
-    learned_keys when a trained ``encoder`` (memory.encoder.EventEncoder) is given.
+def evaluation_streams(store, cfg: dict, max_events: int | None = None, encoder=None) -> tuple[list[EventStream], dict]:
+    """(streams, cohort summary): one :class:`EventStream` per evaluation stay, with learned keys when a
+    trained ``encoder`` (memory.encoder.EventEncoder) is given.
 
     Keys are standardised with statistics of the training split only. ``max_events`` keeps the first events
     of each stay (for quick runs); None keeps all.
@@ -31,20 +32,18 @@ def evaluation_streams(store, cfg, max_events=None, encoder=None):
         g = g.sort(["time", "code", "event_hash", "occurrence"])
         if max_events:
             g = g.head(max_events)
-        streams.append({"stay_id": int(stay_id), "subject_id": int(subject_of_stay[stay_id]),
-                        "keys": keyer.transform(g),
-                        "hours": g["hour"].to_numpy(), "deteriorating": g["deteriorating"].to_numpy(),
-                        "rare": g["rare"].to_numpy()})
-        if encoder is not None:
-            streams[-1]["learned_keys"] = encode(encoder, g, keyer)
-    streams.sort(key=lambda s: s["stay_id"])
+        streams.append(EventStream(
+            stay_id=int(stay_id), subject_id=int(subject_of_stay[stay_id]), keys=keyer.transform(g),
+            hours=g["hour"].to_numpy(), deteriorating=g["deteriorating"].to_numpy(), rare=g["rare"].to_numpy(),
+            learned_keys=None if encoder is None else encode(encoder, g, keyer)))
+    streams.sort(key=lambda s: s.stay_id)
     summary = {
         "stays": int(cohort.height), "train_stays": int(cohort.height - len(streams)),
         "eval_stays": len(streams), "events": int(events.height),
-        "eval_events": int(sum(len(s["keys"]) for s in streams)),
-        "deterioration_hours": int(sum(len(np.unique(s["hours"][s["deteriorating"]])) for s in streams)),
-        "eval_stays_with_deterioration": int(sum(bool(s["deteriorating"].any()) for s in streams)),
-        "rare_events": int(sum(int(s["rare"].sum()) for s in streams)),
+        "eval_events": int(sum(len(s) for s in streams)),
+        "deterioration_hours": int(sum(len(np.unique(s.hours[s.deteriorating])) for s in streams)),
+        "eval_stays_with_deterioration": int(sum(bool(s.deteriorating.any()) for s in streams)),
+        "rare_events": int(sum(int(s.rare.sum()) for s in streams)),
         "characteristics": describe_cohort(store, cfg, cohort, raw),
     }
     return streams, summary

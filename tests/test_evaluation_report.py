@@ -1,11 +1,12 @@
 """Policies on hand-built streams, metrics on hand-built cases, and the HTML report."""
 import json
+from dataclasses import replace
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 
-from cohorts.evaluation import aggregate, bootstrap_ci, run_sweep, score_stay, sign_flip_p
+from cohorts.evaluation import EventStream, aggregate, bootstrap_ci, run_sweep, score_stay, sign_flip_p
 from memory.policies import POLICIES, Recency, ReservoirRandom, ResidualRetention, SoftmaxHeavyHitter, SVSelection
 from reports.html import render_report
 
@@ -83,7 +84,7 @@ def hand_stay():
     det = np.isin(hours, [1, 3])
     rare = np.zeros(12, dtype=bool)
     rare[5] = True
-    return {"stay_id": 1, "keys": keys, "hours": hours, "deteriorating": det, "rare": rare}
+    return EventStream(stay_id=1, subject_id=None, keys=keys, hours=hours, deteriorating=det, rare=rare)
 
 
 def test_metrics_on_a_hand_built_stay():
@@ -101,7 +102,7 @@ def test_metrics_on_a_hand_built_stay():
 def test_learned_key_row_runs_only_with_learned_keys():
     stay = hand_stay()
     assert "sv_learned" not in score_stay(stay, 4)
-    with_keys = score_stay(stay | {"learned_keys": stay["keys"] * 3.0}, 4)
+    with_keys = score_stay(replace(stay, learned_keys=stay.keys * 3.0), 4)
     assert with_keys["sv_learned"]["kept"] == 4
 
 
@@ -131,8 +132,8 @@ class _Collect(HTMLParser):
 
 
 def test_report_is_self_contained_and_covers_every_policy_and_budget(tmp_path):
-    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1,
-                            "learned_keys": 2.0 * hand_stay()["keys"] - i * 0.1} for i in range(4)]
+    stays = [replace(hand_stay(), stay_id=i, keys=hand_stay().keys + i * 0.1,
+                     learned_keys=2.0 * hand_stay().keys - i * 0.1) for i in range(4)]
     rows = run_sweep(stays, budgets=(4, 8), fractions=(0.5,), workers=1)
     summary, paired = aggregate(rows)
     result = {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
@@ -159,8 +160,8 @@ def test_fraction_budgets_are_capped_at_the_largest_fixed_budget():
     assert fraction_budget(0.2, 40_000, cap=None) == 8000
     rng = np.random.default_rng(0)
     n = 400
-    stay = {"stay_id": 1, "subject_id": 1, "keys": rng.standard_normal((n, 3)), "hours": np.arange(n) // 20,
-            "deteriorating": np.zeros(n, dtype=bool), "rare": np.zeros(n, dtype=bool)}
+    stay = EventStream(stay_id=1, subject_id=1, keys=rng.standard_normal((n, 3)), hours=np.arange(n) // 20,
+                       deteriorating=np.zeros(n, dtype=bool), rare=np.zeros(n, dtype=bool))
     rows = run_sweep([stay], budgets=(8, 16), fractions=(0.5,), policies=("recency",), workers=1)
     assert {r["budget"]: r["kept"] for r in rows} == {"8": 8, "16": 16, "f0.5": 16}
 
@@ -168,10 +169,10 @@ def test_fraction_budgets_are_capped_at_the_largest_fixed_budget():
 def test_balanced_chunks_spread_the_work_and_keep_every_stay():
     from cohorts.evaluation import balanced_chunks
     sizes = [40_000, 3000, 2500, 2000, 1500, 1000, 900, 800, 700]
-    stays = [{"stay_id": i, "keys": np.zeros((n, 1))} for i, n in enumerate(sizes)]
+    stays = [replace(hand_stay(), stay_id=i, keys=np.zeros((n, 1))) for i, n in enumerate(sizes)]
     chunks = balanced_chunks(stays, 4)
-    assert sorted(s["stay_id"] for c in chunks for s in c) == list(range(len(sizes)))
-    loads = [sum(len(s["keys"]) for s in c) for c in chunks]
+    assert sorted(s.stay_id for c in chunks for s in c) == list(range(len(sizes)))
+    loads = [sum(len(s) for s in c) for c in chunks]
     assert loads == sorted(loads, reverse=True) and loads[0] == 40_000  # the long stay alone, first
     assert max(loads[1:]) - min(loads[1:]) <= 1500
     assert len(balanced_chunks(stays[:2], 8)) == 2
@@ -185,8 +186,8 @@ def test_a_fraction_point_on_a_fixed_budget_is_scored_once(monkeypatch):
                                                                                                        *a, **k))
     rng = np.random.default_rng(1)
     n = 200
-    stay = {"stay_id": 7, "subject_id": 7, "keys": rng.standard_normal((n, 3)), "hours": np.arange(n) // 10,
-            "deteriorating": np.arange(n) % 17 == 0, "rare": np.arange(n) % 31 == 0}
+    stay = EventStream(stay_id=7, subject_id=7, keys=rng.standard_normal((n, 3)), hours=np.arange(n) // 10,
+                       deteriorating=np.arange(n) % 17 == 0, rare=np.arange(n) % 31 == 0)
     rows = ev.run_sweep([stay], budgets=(8, 20), fractions=(0.1, 0.5), policies=("sv_certified", "random"),
                         workers=1)
     assert sorted(calls) == [8, 20]  # f0.1 -> 20 (a fixed budget), f0.5 -> 100 capped at 20

@@ -3,6 +3,7 @@ import shutil
 import struct
 import subprocess
 import zlib
+from dataclasses import replace
 
 import pytest
 
@@ -53,7 +54,7 @@ def png_rows(path):
 
 
 def hand_result():
-    stays = [hand_stay() | {"stay_id": i, "keys": hand_stay()["keys"] + i * 0.1} for i in range(4)]
+    stays = [replace(hand_stay(), stay_id=i, keys=hand_stay().keys + i * 0.1) for i in range(4)]
     summary, paired = aggregate(run_sweep(stays, budgets=(4, 8, 32), fractions=(0.5,), workers=1))
     return {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
             "metadata": {"data_source": "hand-built"}}
