@@ -3,6 +3,9 @@
 The unit is the ICU stay: a patient with two stays counts twice in the age, sex, length-of-stay and mortality
 rows (the patients row counts each once).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import polars as pl
@@ -10,6 +13,9 @@ import polars as pl
 from pipeline.extract import quarantine_reasons
 
 from .definitions import deterioration_hours
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SPLITS = ("all", "train", "eval")
 
@@ -101,7 +107,7 @@ def _criterion_rows(cohort: pl.DataFrame, events: pl.DataFrame, cfg: dict) -> li
     return rows
 
 
-def describe_cohort(store, cfg: dict, cohort: pl.DataFrame, events: pl.DataFrame,
+def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, events: pl.DataFrame,
                     labelled: pl.DataFrame | None = None) -> CohortTable:
     """Table 1 of the cohort. ``events``: the cohort's stay events (:func:`cohorts.definitions.stay_events`);
     ``labelled``: its labelled hourly tokens (:func:`cohorts.tokens.label_tokens`), None in events mode."""

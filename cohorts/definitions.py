@@ -1,4 +1,5 @@
 """Cohort, deterioration hours, rare items and the subject-level split, from a declarative YAML config."""
+from __future__ import annotations
 import hashlib
 from pathlib import Path
 
@@ -14,7 +15,7 @@ class CohortConfigError(ValueError):
     """The cohort configuration is missing a field or has an invalid one."""
 
 
-def load_config(path=None):
+def load_config(path: Path | None = None) -> dict | None:
     cfg = yaml.safe_load(Path(path or DEFAULT_CONFIG).read_text())
     for section, keys in (("cohort", ("min_age", "min_stay_hours")), ("deterioration", ("criteria",)),
                           ("rare_items", ("quantile",)), ("split", ("eval_fraction", "salt"))):
@@ -49,7 +50,7 @@ def resolve_config(name_or_path: str | None) -> Path:
     return path
 
 
-def install_config(root, name_or_path: str | None) -> dict:
+def install_config(root: Path, name_or_path: str | None) -> dict:
     """Validate a cohort config and make it the workspace's (``WS/config.yaml``), which every later step of
     the workspace reads (runs, deletions); without one the workspace keeps the config it has."""
     path = resolve_config(name_or_path)
@@ -61,24 +62,24 @@ def install_config(root, name_or_path: str | None) -> dict:
     return cfg
 
 
-def workspace_config_path(root) -> Path:
+def workspace_config_path(root: Path) -> Path:
     """The file of the workspace's cohort config (the shipped default when the workspace has none yet)."""
     path = Path(root) / WORKSPACE_CONFIG
     return path if path.exists() else DEFAULT_CONFIG
 
 
-def workspace_config(root) -> dict:
+def workspace_config(root: Path) -> dict:
     """The workspace's cohort config (the default when the workspace has none yet)."""
     return load_config(workspace_config_path(root))
 
 
-def is_eval_subject(subject_id, cfg):
+def is_eval_subject(subject_id: int, cfg: dict) -> bool:
     """Stable subject-level split: a keyed hash of the subject id, never Python's salted hash()."""
     h = hashlib.sha256(f"{cfg['split']['salt']}:{int(subject_id)}".encode()).digest()
     return int.from_bytes(h[:8], "big") % 10_000 < cfg["split"]["eval_fraction"] * 10_000
 
 
-def build_cohort(store, cfg):
+def build_cohort(store: Path, cfg: dict) -> pl.DataFrame:
     """ICU stays of adults lasting at least ``min_stay_hours``, with their split."""
     stays = pl.read_parquet(Path(store) / "stays.parquet")
     hours = (pl.col("outtime") - pl.col("intime")).dt.total_seconds() / 3600.0
@@ -89,7 +90,7 @@ def build_cohort(store, cfg):
     return stays.with_columns(pl.Series("split", split, dtype=pl.String)).sort("stay_id")
 
 
-def stay_events(store, cohort):
+def stay_events(store: Path, cohort: pl.DataFrame) -> pl.DataFrame:
     """Every event inside each cohort stay's window, in time order, with its hour of stay.
 
     Events carrying the stay's id are kept as they are; hospital-level events without one (deaths, transfers)
@@ -108,7 +109,7 @@ def stay_events(store, cohort):
             .sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect())
 
 
-def deterioration_hours(events, cfg):
+def deterioration_hours(events: pl.DataFrame, cfg: dict) -> pl.DataFrame:
     """(stay_id, hour, criterion) rows: the hours in which each criterion fires."""
     frames = []
     for c in cfg["deterioration"]["criteria"]:
@@ -137,7 +138,7 @@ def _component_points(values, comp):
     return points
 
 
-def hourly_sofa(events, c):
+def hourly_sofa(events: pl.DataFrame, c: dict) -> pl.DataFrame:
     """(stay_id, hour, sofa): each component's worst points over the trailing window, summed, on every hour
     from the stay's first to its last event."""
     w = int(c["window_hours"])
@@ -169,7 +170,7 @@ def _sofa_rise_hours(events, c):
             .filter(pl.col("risen") & ~pl.col("risen").shift(1).over("stay_id").fill_null(False)))
 
 
-def rare_codes(events, cohort, cfg):
+def rare_codes(events: pl.DataFrame, cohort: pl.DataFrame, cfg: dict) -> tuple:
     """Codes rare in the training split: count <= the configured quantile of per-code counts."""
     train = cohort.filter(pl.col("split") == "train")["stay_id"]
     counts = events.filter(pl.col("stay_id").is_in(train.implode())).group_by("code").len()
@@ -181,7 +182,7 @@ def rare_codes(events, cohort, cfg):
     return rare | unseen, threshold
 
 
-def label_events(events, cohort, cfg):
+def label_events(events: pl.DataFrame, cohort: pl.DataFrame, cfg: dict) -> pl.DataFrame:
     """Events with their ``deteriorating`` (the flag of their hour) and ``rare`` flags."""
     hours = deterioration_hours(events, cfg).select("stay_id", "hour").unique().with_columns(
         pl.lit(True).alias("deteriorating"))

@@ -2,6 +2,9 @@
 
 The model and its training loop live in :mod:`memory.encoder` and see arrays only.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 import torch
@@ -11,15 +14,19 @@ from pipeline.keys import EventKeyer
 
 from .definitions import build_cohort, label_events, stay_events
 
+if TYPE_CHECKING:
+    from memory.encoder import EventEncoder
+    from pathlib import Path
 
-def event_features(events, keyer):
+
+def event_features(events: pl.DataFrame, keyer: EventKeyer) -> np.ndarray:
     """(n, N_FEATURES) numeric features of labelled events, standardised with the keyer's training statistics."""
     full = keyer.transform(events)
     # EventKeyer's layout: [code embedding | z, has | t, sin, cos]
     return full[:, -N_FEATURES:]
 
 
-def make_windows(events, keyer, window=64, stride=None):
+def make_windows(events: pl.DataFrame, keyer: EventKeyer, window: int = 64, stride: int | None = None) -> tuple:
     """Windows of consecutive events per stay: codes (list of lists), features (W, n, F), flags (W, n)."""
     stride = stride or window
     codes, feats, flags = [], [], []
@@ -42,7 +49,7 @@ def make_windows(events, keyer, window=64, stride=None):
     return codes, np.stack(feats), np.stack(flags).astype(np.float64)
 
 
-def encode(encoder, events, keyer):
+def encode(encoder: EventEncoder, events: pl.DataFrame, keyer: EventKeyer) -> np.ndarray:
     """fp64 learned keys of labelled events (for the exact memory)."""
     with torch.no_grad():
         idx = encoder.code_indices(events["code"].to_list())
@@ -50,7 +57,7 @@ def encode(encoder, events, keyer):
         return encoder(idx, f).double().numpy()
 
 
-def training_windows(store, cfg, window=64):
+def training_windows(store: Path, cfg: dict, window: int = 64) -> tuple:
     """Windows of the training split's stays, and the keyer fitted on them."""
     cohort = build_cohort(store, cfg)
     events = label_events(stay_events(store, cohort), cohort, cfg)

@@ -15,6 +15,9 @@ Metrics per stay, policy and budget B:
 Aggregates: mean with a percentile bootstrap CI over stays, and paired SV-minus-baseline differences with a
 bootstrap CI and a two-sided sign-flip permutation p-value (10,000 resamples, seed 0).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +26,9 @@ import numpy as np
 
 from memory.kernels import rbf
 from memory.policies import POLICIES
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256)
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2)
@@ -53,8 +59,8 @@ def _uniform_readout(Q, X, gamma):
     return (W @ X) / np.maximum(W.sum(1, keepdims=True), 1e-300)
 
 
-def score_stay(stay: EventStream, budget: int, policy_names=tuple(POLICIES), gamma: float = 0.5, seed: int = 0,
-               n_probe: int = 32, save_memory_to=None) -> dict:
+def score_stay(stay: EventStream, budget: int, policy_names: tuple = tuple(POLICIES), gamma: float = 0.5, seed: int = 0,
+               n_probe: int = 32, save_memory_to: str | None = None) -> dict:
     """Metrics of every policy on one stay.
 
     ``save_memory_to``: a path where the SV policy's final memory state is persisted (the per-stay memory).
@@ -106,7 +112,7 @@ def _score_task(args):
                                                save_memory_to=save_to)
 
 
-def fraction_budget(fraction, n_events, cap):
+def fraction_budget(fraction: float, n_events: int, cap: int | None) -> int:
     """Budget of a fraction-of-stream point: round(fraction * n), at least 4, at most ``cap``.
 
     The cap (by default the largest fixed budget) bounds the cost of the exact memories: K and the KKT inverse
@@ -117,8 +123,9 @@ def fraction_budget(fraction, n_events, cap):
     return min(b, int(cap)) if cap is not None else b
 
 
-def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, policies=tuple(POLICIES), gamma=0.5,
-              workers=None, memory_budget=None, fraction_cap="max_budget"):
+def run_sweep(stays: list, budgets: tuple = DEFAULT_BUDGETS, fractions: tuple = DEFAULT_FRACTIONS,
+              policies: tuple = tuple(POLICIES), gamma: float = 0.5,
+              workers: int | None = None, memory_budget: int | None = None, fraction_cap: str = "max_budget") -> list:
     """Per-stay results for every (budget, policy); fraction budgets are labelled 'f0.1' etc.
 
     ``fraction_cap``: the largest fraction budget (see :func:`fraction_budget`); "max_budget" (default) means
@@ -158,7 +165,7 @@ def run_sweep(stays, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, polic
     return out
 
 
-def balanced_chunks(stays, n_chunks, size=len):
+def balanced_chunks(stays: list, n_chunks: int, size: Callable = len) -> list:
     """Split stays into at most ``n_chunks`` lists of about equal work (``size``: events), heaviest list first.
 
     Longest-processing-time greedy: a round-robin split put the demo's one 40,000-event stay in a chunk that
@@ -174,7 +181,7 @@ def balanced_chunks(stays, n_chunks, size=len):
     return [c for _, c in sorted(zip(load, chunks), key=lambda lc: -lc[0]) if c]
 
 
-def bootstrap_ci(x, n_boot=10_000, seed=0, level=0.95):
+def bootstrap_ci(x: list | np.ndarray, n_boot: int = 10_000, seed: int = 0, level: float = 0.95) -> tuple:
     x = np.asarray(x, dtype=np.float64)
     if len(x) == 0:
         return float("nan"), float("nan")
@@ -184,7 +191,7 @@ def bootstrap_ci(x, n_boot=10_000, seed=0, level=0.95):
     return float(lo), float(hi)
 
 
-def sign_flip_p(d, n_perm=10_000, seed=0):
+def sign_flip_p(d: list | np.ndarray, n_perm: int = 10_000, seed: int = 0) -> float:
     d = np.asarray(d, dtype=np.float64)
     if len(d) == 0 or np.allclose(d, 0):
         return 1.0
@@ -204,7 +211,7 @@ GROUP = ("protocol", "tokens", "keys", "label", "budget", "policy", "metric")
 PAIRED_METRICS = ("retention", "retrieval", "retention_hour_end", "output_deviation")
 
 
-def long_rows(rows):
+def long_rows(rows: list) -> list:
     """Per-stay rows in the long form of every protocol: stay_id, subject_id, protocol, tokens, keys, label,
     budget, policy, metric, value. Events-mode rows of :func:`run_sweep` (one column per metric) are
     converted; rows already long pass through."""
@@ -221,7 +228,7 @@ def long_rows(rows):
     return out
 
 
-def holm(p_values):
+def holm(p_values: list) -> list:
     """Holm-Bonferroni adjusted p-values (step-down; monotone; capped at 1), in the input order."""
     p = np.asarray(p_values, dtype=np.float64)
     order = np.argsort(p, kind="stable")
@@ -231,7 +238,7 @@ def holm(p_values):
     return out.tolist()
 
 
-def aggregate(rows, reference="sv_certified"):
+def aggregate(rows: list, reference: str = "sv_certified") -> tuple:
     """Per (protocol, tokens, keys, label, budget, policy, metric): mean, CI, n; and paired differences of
     ``reference`` minus each other policy on the same stays, with a sign-flip p-value and its Holm adjustment
     over every paired comparison of the run (``p_holm``)."""
@@ -261,7 +268,7 @@ def aggregate(rows, reference="sv_certified"):
 HEADLINE_METRICS = ("retention", "certified_fraction", "certificate_expiry")
 
 
-def headline_rows(summary):
+def headline_rows(summary: list) -> list:
     """The rows a user reads first: fixed-context retention (budget k) and streaming retention and
     certification at B = 32 and 64."""
     return [r for r in summary if r["metric"] in HEADLINE_METRICS and r["budget"] in ("k", "32", "64")]

@@ -17,6 +17,7 @@ Every policy gets the same readout, so only selection differs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from memory.svmemory import SVMemory
 
 from .evaluation import fraction_budget
 from .tokens import KEYSET_ALL, TokenTable, keyset_of, label_specs
+
+if TYPE_CHECKING:
+    import polars as pl
 
 FIXED_POLICIES = ("sv_certified", "recency", "random", "h2o_proxy", "softmax_h2o", "residual_delta")
 STREAMING_POLICIES = ("sv_certified", "recency", "random", "softmax_h2o", "residual_delta")
@@ -57,7 +61,7 @@ class StreamingSettings:
         return 1.0 / self.sigma ** 2
 
 
-def token_streams(labelled, table: TokenTable, cfg: dict, split: str = "eval") -> list[TokenStream]:
+def token_streams(labelled: pl.DataFrame, table: TokenTable, cfg: dict, split: str = "eval") -> list[TokenStream]:
     """Typed streams of one split's stays from labelled tokens (:func:`cohorts.tokens.label_tokens`)."""
     specs = label_specs(cfg)
     names = table.scaling.channels
@@ -99,7 +103,7 @@ def h2o_proxy_kept(X: np.ndarray, k: int, gamma: float) -> np.ndarray:
     return np.sort(np.argsort(-K.sum(0), kind="stable")[:k])
 
 
-def fixed_context_selections(X: np.ndarray, nu: float, gamma: float, seed: int):
+def fixed_context_selections(X: np.ndarray, nu: float, gamma: float, seed: int) -> tuple:
     """(k, {policy: kept indices}) of one stay, or (k, None) when k = 0 or k >= n (dropped)."""
     n = len(X)
     alpha = exact_alpha(X, 1.0 / (nu * n), gamma)
@@ -114,7 +118,7 @@ def fixed_context_selections(X: np.ndarray, nu: float, gamma: float, seed: int):
                "residual_delta": online_kept("residual_delta", X, k, seed)}
 
 
-def streaming_sv(X: np.ndarray, budget: int, settings: StreamingSettings, save_to: str | None = None):
+def streaming_sv(X: np.ndarray, budget: int, settings: StreamingSettings, save_to: str | None = None) -> tuple:
     """SV selection streamed at ``budget``: (kept indices, {certified_fraction, certificate_expiry} where defined)."""
     pol = SVSelection(budget, gamma=settings.gamma, nu=settings.nu)
     for i, x in enumerate(X):
@@ -171,7 +175,7 @@ def score_fixed_context(stream: TokenStream, nu: float, sigma: float) -> list[di
 
 
 def score_streaming(stream: TokenStream, points: list[tuple[str, int]], settings: StreamingSettings,
-                    memory_budget: int | None = None, policies=STREAMING_POLICIES) -> list[dict]:
+                    memory_budget: int | None = None, policies: tuple = STREAMING_POLICIES) -> list[dict]:
     """Rows of the streaming protocol for one stay at each (label, budget) point."""
     rows, done = [], {}
     for keyset, X in stream.keys.items():
@@ -219,7 +223,7 @@ def choose_streaming_settings(train: list[TokenStream], protocol_cfg: dict) -> S
     return StreamingSettings(best["nu"], best["sigma"], selection=results)
 
 
-def score_token_streams(streams: list[TokenStream], budgets, fractions, settings: StreamingSettings,
+def score_token_streams(streams: list[TokenStream], budgets: tuple, fractions: tuple, settings: StreamingSettings,
                         fixed: dict, memory_budget: int | None = None, fraction_cap: int | None = None) -> list[dict]:
     """Both protocols over ``streams``: the per-stay long rows of a run (``fixed``: the fixed-context config)."""
     rows = []

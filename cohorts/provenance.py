@@ -1,4 +1,5 @@
 """Where a run's numbers come from: the source files and their checksums, the code, the packages, the config."""
+from __future__ import annotations
 import hashlib
 import platform
 import subprocess
@@ -60,7 +61,7 @@ class Provenance:
     config_text: str
 
 
-def provenance(store, root, source: str) -> Provenance:
+def provenance(store: Path, root: Path, source: str) -> Provenance:
     """The provenance of a run over the workspace ``root`` whose store is ``store``, read from ``source``."""
     manifest = load_manifest(store)
     files = tuple(SourceFile(t, str(f["path"]), f["sha256"], int(f.get("rows", 0)), int(f["size"]))

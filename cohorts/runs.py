@@ -3,6 +3,9 @@
 Each persists what it produces (per-stay results and memories, cohort-memory checkpoints) and returns only
 aggregates or paths, so the flows that compose them carry no patient-level data in their results.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import json
 import shutil
 import time
@@ -24,12 +27,17 @@ from .provenance import code_version
 from .streams import cohort_stream, evaluation_streams
 from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pipeline.workspace import Workspace
+
 # Per-stay SV memories are persisted at this budget (or at the largest fixed budget of a run without it).
 HEADLINE_BUDGET = 64
 
 
-def run_metadata(ws, budgets, fractions, max_events, memory_budget, seconds, tokens="events", settings=None,
-                 cfg=None):
+def run_metadata(ws: Workspace, budgets: tuple, fractions: tuple, max_events: int | None, memory_budget: int,
+                 seconds: float, tokens: str = "events", settings: StreamingSettings | None = None,
+                 cfg: dict | None = None) -> dict:
     if tokens == "hourly":
         fixed = cfg["protocols"]["fixed_context"]
         rules = {"tokens": "hourly patient-state tokens (cohort config: tokens)",
@@ -63,14 +71,14 @@ def checkpoint_tokens(ckpt: Path) -> str:
     return json.loads(f.read_text())["tokens"] if f.exists() else "events"
 
 
-def load_scaler(ckpt: Path):
+def load_scaler(ckpt: Path) -> TokenScaling | EventKeyer:
     """The key statistics persisted with a checkpoint: an EventKeyer or a TokenScaling."""
     tokens = checkpoint_tokens(ckpt)
     path = Path(ckpt) / SCALER_FILES[tokens]
     return EventKeyer.load(path) if tokens == "events" else TokenScaling.load(path)
 
 
-def save_scaler(scaler, ckpt: Path, tokens: str) -> None:
+def save_scaler(scaler: TokenScaling | EventKeyer, ckpt: Path, tokens: str) -> None:
     scaler.save(Path(ckpt) / SCALER_FILES[tokens])
     (Path(ckpt) / STREAM_FILE).write_text(json.dumps({"tokens": tokens}))
 
@@ -99,7 +107,8 @@ def _unchanged_base(ckpts, order, keys):
     return None, None
 
 
-def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None):
+def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 128, tokens: str = "hourly",
+                         on_fed: Callable | None = None) -> dict:
     """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
     seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).
 
@@ -138,7 +147,7 @@ def update_cohort_memory(ws, cfg=None, budget=128, tokens="hourly", on_fed=None)
             "history": history}
 
 
-def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, dict]:
+def prepare_token_streams(store: Path, cfg: dict) -> tuple[list, StreamingSettings, dict]:
     """Hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
     the training split, and the cohort's summary (aggregates only)."""
     cohort = build_cohort(store, cfg)
@@ -161,14 +170,14 @@ def prepare_token_streams(store, cfg: dict) -> tuple[list, StreamingSettings, di
     return evaluation, settings, summary
 
 
-def stay_memory_paths(ws, stay_ids) -> list[str]:
+def stay_memory_paths(ws: Workspace, stay_ids: list) -> list[str]:
     """Where each stay's SV memory is persisted (file names are keyed hashes of the stay ids)."""
     key = store_key(ws.store, ws.root)
     ws.stay_memories.mkdir(parents=True, exist_ok=True)
     return [str(ws.stay_memory(s, key)) for s in stay_ids]
 
 
-def workspace_event_streams(ws, max_events=None) -> tuple[list, dict]:
+def workspace_event_streams(ws: Workspace, max_events: int | None = None) -> tuple[list, dict]:
     """The events-mode evaluation streams of a workspace (with learned keys when its encoder exists), each
     with the path its per-stay memory is persisted to."""
     encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
@@ -177,7 +186,7 @@ def workspace_event_streams(ws, max_events=None) -> tuple[list, dict]:
     return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
 
 
-def workspace_token_streams(ws) -> tuple[list, StreamingSettings, dict]:
+def workspace_token_streams(ws: Workspace) -> tuple[list, StreamingSettings, dict]:
     """:func:`prepare_token_streams` over a workspace, each stream with its per-stay memory's path."""
     streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root))
     for s, path in zip(streams, stay_memory_paths(ws, [s.stay_id for s in streams])):
@@ -185,14 +194,14 @@ def workspace_token_streams(ws) -> tuple[list, StreamingSettings, dict]:
     return streams, settings, cohort
 
 
-def save_results(ws, rows) -> Path:
+def save_results(ws: Workspace, rows: list) -> Path:
     """The per-stay result rows of a run (patient-level: they stay in the workspace)."""
     ws.results.parent.mkdir(parents=True, exist_ok=True)
     pl.DataFrame(rows).write_parquet(ws.results)
     return ws.results
 
 
-def train_key_encoder(ws, steps: int) -> dict:
+def train_key_encoder(ws: Workspace, steps: int) -> dict:
     """Train the learned-key encoder on the training split's windows and save it; a summary of the loss."""
     (codes, feats, flags), _, _ = training_windows(ws.store, workspace_config(ws.root))
     encoder, history = train_encoder(codes, feats, flags, steps=steps)

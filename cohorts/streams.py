@@ -1,4 +1,7 @@
 """Evaluation streams: the labelled, keyed events of each evaluation stay, ready for the budget sweep."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
@@ -12,8 +15,14 @@ from .encoder_data import encode
 from .evaluation import EventStream
 from .tokens import build_tokens
 
+if TYPE_CHECKING:
+    from cohorts.tokens import TokenScaling
+    from memory.encoder import EventEncoder
+    from pathlib import Path
 
-def evaluation_streams(store, cfg: dict, max_events: int | None = None, encoder=None) -> tuple[list[EventStream], dict]:
+
+def evaluation_streams(store: Path, cfg: dict, max_events: int | None = None,
+                       encoder: EventEncoder | None = None) -> tuple[list[EventStream], dict]:
     """(streams, cohort summary): one :class:`EventStream` per evaluation stay, with learned keys when a
     trained ``encoder`` (memory.encoder.EventEncoder) is given.
 
@@ -58,7 +67,8 @@ def _owners(subjects, key: bytes) -> dict:
     return {s: subject_ref(s, key) for s in set(subjects)}
 
 
-def cohort_event_stream(store, cfg, key: bytes, keyer=None, subject_id=None):
+def cohort_event_stream(store: Path, cfg: dict, key: bytes, keyer: EventKeyer | None = None,
+                        subject_id: int | None = None) -> tuple:
     """The whole cohort's events in global time order, keyed, for the cohort memory.
 
     Returns (keyer, keys, token_ids, order_keys, subject_ids), in order-key order.
@@ -81,7 +91,8 @@ def cohort_event_stream(store, cfg, key: bytes, keyer=None, subject_id=None):
     return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()
 
 
-def cohort_token_stream(store, cfg, key: bytes, scaling=None, subject_id=None):
+def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScaling | None = None,
+                        subject_id: int | None = None) -> tuple:
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
 
     Returns (scaling, keys, token_ids, order_keys, subject_ids), in order-key order;
@@ -101,7 +112,8 @@ def cohort_token_stream(store, cfg, key: bytes, scaling=None, subject_id=None):
     return table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(), tok["subject_id"].to_numpy()
 
 
-def cohort_stream(store, cfg, tokens, key: bytes, scaler=None, subject_id=None):
+def cohort_stream(store: Path, cfg: dict, tokens: str, key: bytes, scaler: TokenScaling | EventKeyer | None = None,
+                  subject_id: int | None = None) -> tuple:
     """The cohort memory's input in either stream mode ('hourly' tokens or raw 'events')."""
     if tokens == "hourly":
         return cohort_token_stream(store, cfg, key, scaling=scaler, subject_id=subject_id)

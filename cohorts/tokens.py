@@ -143,7 +143,7 @@ def _readings(store, cohort: pl.DataFrame, channels: list[Channel], hours_per_bi
                           (seconds // (3600.0 * hours_per_bin)).cast(pl.Int64).alias("hour")))
 
 
-def build_tokens(store, cfg: dict, scaling: TokenScaling | None = None,
+def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
                  cohort: pl.DataFrame | None = None) -> TokenTable:
     """Hourly tokens of every cohort stay. ``scaling`` (from a persisted memory) is used as given; otherwise it
     is fitted on the training split's stays."""
@@ -218,7 +218,7 @@ def keyset_of(spec: dict) -> str:
     return f"without_{spec['heldout_channel']}" if spec.get("heldout_channel") else KEYSET_ALL
 
 
-def label_tokens(table: TokenTable, store, cfg: dict, cohort: pl.DataFrame | None = None,
+def label_tokens(table: TokenTable, store: Path, cfg: dict, cohort: pl.DataFrame | None = None,
                  events: pl.DataFrame | None = None) -> pl.DataFrame:
     """The token frame with one boolean column per label of ``token_labels``.
 

@@ -12,6 +12,9 @@
 6. **commit** (:mod:`pipeline.transaction`): every change above was staged; the journal is the commit point, so a
    crash leaves the full old state or, after recovery, the full new one.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import time
 
 from pipeline.evidence import load_signing_key, read_log
@@ -24,6 +27,9 @@ from .memories import rewrite_memories
 from .plan import AlreadyDeleted, DeletionFailed, check_subject, resolve_subject, scan_subject
 from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
+
+if TYPE_CHECKING:
+    from pipeline.workspace import Workspace
 
 MODES = ("decrement", "replay")
 
@@ -48,7 +54,8 @@ def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_k
     return cert, name
 
 
-def delete_subject(ws, subject_id, mode="decrement", wait_seconds=0.0, budget_refit_probes=64):
+def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait_seconds: float = 0.0,
+                   budget_refit_probes: int = 64) -> tuple | None:
     """Delete one subject from the workspace; returns the certificate (dict) and its path.
 
     Raises UnknownSubjectError when the subject is not in the workspace (and was never deleted), AlreadyDeleted

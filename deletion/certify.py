@@ -1,10 +1,19 @@
 """Step: the certificate, its page, its receipt and its entry in the signed log; stale reports stamped."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import json
 import time
 
 from cohorts.provenance import code_version
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
 from reports.certificate_page import render_certificate_html
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from pipeline.evidence import Log
+    from pipeline.transaction import Transaction
+    from pipeline.workspace import Workspace
 
 AGGREGATES_KEPT = ("per-code value statistics used to standardise event keys and per-channel token statistics "
                    "(training-split medians, means and standard deviations) persisted with the cohort memory, "
@@ -13,7 +22,8 @@ MODE_MEANING = {"decrement": "memories equal the fixed-C refit of their retained
                 "replay": "cohort memory re-streamed as if the patient had never been seen"}
 
 
-def certificate(log, subject_hash, mode, removed, memories, residual, stale, seconds) -> dict:
+def certificate(log: Log, subject_hash: str, mode: str, removed: dict, memories: tuple, residual: dict, stale: list,
+                seconds: float) -> dict:
     """The certificate: only what was done and checked (``memories``: tokens, verification, digests)."""
     tokens, verification, digests = memories
     return {"certificate_id": log.size, "subject_hash": subject_hash,
@@ -26,7 +36,7 @@ def certificate(log, subject_hash, mode, removed, memories, residual, stale, sec
             "log_size_before": log.size, "log_root_before": log.root_hex()}
 
 
-def stale_reports(ws) -> list[str]:
+def stale_reports(ws: Workspace) -> list[str]:
     """The aggregate reports computed before this deletion (the next scheduled run regenerates them)."""
     return [p.name for p in (ws.report_json, ws.report_html) if p.exists()]
 
@@ -43,7 +53,7 @@ def _stamp_stale(ws, txn, stale, name) -> None:
         txn.stage(ws.report_html).write_text(ws.report_html.read_text().replace("<body>", "<body>" + banner, 1))
 
 
-def stage_certificate(ws, txn, log, signing_key, cert) -> str:
+def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, cert: dict) -> str:
     """Stage the certificate, its page, its receipt, its log entry and the newly signed checkpoint; mark the
     reports stale naming it. Returns the certificate's file name."""
     name = f"{log.size:06d}.json"

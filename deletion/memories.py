@@ -1,4 +1,7 @@
 """Step: the cohort memory without the subject, by exact decrement (verified against a refit) or by replay."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numpy as np
 
 from cohorts.definitions import workspace_config
@@ -10,6 +13,10 @@ from memory.refit import verify_against_refit
 from pipeline.privacy import store_key
 
 from .plan import DeletionFailed, owner
+
+if TYPE_CHECKING:
+    from pipeline.transaction import Transaction
+    from pipeline.workspace import Workspace
 
 VERIFY_MAX_DEV = 1e-8
 
@@ -44,7 +51,7 @@ def _stage(txn, ckpt, cm):
     copy_checkpoint_extras(ckpt, staged)
 
 
-def decrement(ws, txn, sid, n_jitter):
+def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple | None:
     """Every checkpoint holding the subject's tokens, exactly decremented and verified; every checkpoint that
     was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
     per checkpoint."""
@@ -71,7 +78,7 @@ def decrement(ws, txn, sid, n_jitter):
     return memories, verification, digests
 
 
-def replay(ws, txn, sid, n_jitter):
+def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple:
     """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
     ckpts = ws.checkpoints()
     if not ckpts:
@@ -106,7 +113,7 @@ def replay(ws, txn, sid, n_jitter):
             {target.name: {"before": before, "after": base.memory.state_digest()}})
 
 
-def rewrite_memories(ws, txn, sid, mode, n_jitter) -> tuple[dict, dict, dict]:
+def rewrite_memories(ws: Workspace, txn: Transaction, sid: int, mode: str, n_jitter: int) -> tuple[dict, dict, dict]:
     memories, verification, digests = (decrement if mode == "decrement" else replay)(ws, txn, sid, n_jitter)
     failed = [n for n, v in verification.items() if not v["passed"]]
     if failed:

@@ -1,5 +1,8 @@
 """What a deletion request finds before it changes anything: the subject behind a hash, what the workspace holds
 of them, or that they were deleted before."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import json
 
 import polars as pl
@@ -8,6 +11,9 @@ from memory.cohort import CohortMemory
 from pipeline.evidence import read_log
 from pipeline.extract import N_BUCKETS, UnknownSubjectError
 from pipeline.privacy import keyed_hash, store_key, subject_ref, suppressed_hashes
+
+if TYPE_CHECKING:
+    from pipeline.workspace import Workspace
 
 
 class AlreadyDeleted(Exception):
@@ -18,12 +24,12 @@ class DeletionFailed(RuntimeError):
     """A check failed (refit verification, residual scan, the log); nothing was changed."""
 
 
-def owner(ws, sid) -> str:
+def owner(ws: Workspace, sid: int) -> str:
     """The subject's owner reference in the memories' token ids (their keyed hash, never their id)."""
     return subject_ref(sid, store_key(ws.store, ws.root))
 
 
-def scan_subject(ws, subject_id):
+def scan_subject(ws: Workspace, subject_id: int) -> tuple:
     """Everything of the subject still present: counts per place (all zero after a deletion)."""
     sid = int(subject_id)
     found = {}
@@ -47,7 +53,7 @@ def scan_subject(ws, subject_id):
     return found, stay_ids
 
 
-def check_subject(ws, subject_id):
+def check_subject(ws: Workspace, subject_id: int) -> tuple | None:
     """What the workspace holds of the subject: (counts per place, per-stay memory files). Read-only, so the
     CLI can answer before any flow starts. Raises AlreadyDeleted when nothing is left and the log holds the
     subject's certificate, UnknownSubjectError when nothing is left and it never did."""
@@ -68,7 +74,7 @@ def check_subject(ws, subject_id):
     raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
 
 
-def certificate_of(ws, subject_hash):
+def certificate_of(ws: Workspace, subject_hash: str) -> str | None:
     """The name of the certificate issued for ``subject_hash``, or None."""
     for entry in read_log(ws.root).entries:
         path = ws.certificates / str(entry.get("certificate"))
@@ -77,7 +83,7 @@ def certificate_of(ws, subject_hash):
     return None
 
 
-def resolve_subject(ws, subject_hash: str) -> int:
+def resolve_subject(ws: Workspace, subject_hash: str) -> int:
     """The subject id behind a keyed hash, found by hashing the store's subject ids, so that a deletion
     request can travel (through Prefect's database, logs and results) as the hash alone.
 

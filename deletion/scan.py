@@ -1,4 +1,7 @@
 """Step: scan the workspace as it will be after commit (staged files, plus unchanged ones) for the subject."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import polars as pl
@@ -8,6 +11,10 @@ from memory.cohort import CohortMemory, owner_of
 from .plan import owner
 from .store import bucket_of, read_source, source_files
 
+if TYPE_CHECKING:
+    from pipeline.transaction import Transaction
+    from pipeline.workspace import Workspace
+
 SCANNED = ["events", "quarantine", "stays", "per_stay_results", "cohort_memory_checkpoints", "per_stay_memories",
            "generated_source", "extraction_scratch"]
 
@@ -16,7 +23,7 @@ def _rows_in(path, sid) -> int:
     return pl.scan_parquet(path).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item()
 
 
-def residual_scan(ws, txn, sid, stay_files) -> dict:
+def residual_scan(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -> dict:
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
     deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
     rows, ref = sum(1 for p in stay_files if str(p) not in deleted), owner(ws, sid)

@@ -1,4 +1,7 @@
 """Step: the event store and the workspace's files without the subject, staged in the deletion's transaction."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import gzip
 import json
 
@@ -7,12 +10,17 @@ import polars as pl
 from pipeline.extract import N_BUCKETS
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
 
+if TYPE_CHECKING:
+    from pathlib import Path
+    from pipeline.transaction import Transaction
+    from pipeline.workspace import Workspace
 
-def write_staged_parquet(txn, frame, final):
+
+def write_staged_parquet(txn: Transaction, frame: pl.DataFrame, final: Path) -> None:
     frame.write_parquet(txn.stage(final))
 
 
-def bucket_of(ws, sid):
+def bucket_of(ws: Workspace, sid: int) -> Path:
     return ws.store / "events" / f"bucket={sid % N_BUCKETS}"
 
 
@@ -60,12 +68,12 @@ def _codes(ws, txn, sid, keep) -> None:
     write_staged_parquet(txn, new.sort("code"), ws.store / "codes.parquet")
 
 
-def source_files(ws):
+def source_files(ws: Workspace) -> list:
     """The embedded generator's CSVs in the workspace: the workspace's own copy of patients' raw rows."""
     return sorted(ws.source.rglob("*.csv*")) if ws.source.exists() else []
 
 
-def read_source(path) -> pl.DataFrame:
+def read_source(path: Path) -> pl.DataFrame:
     return pl.read_csv(path, infer_schema=False)     # every field as text: rewritten rows keep their content
 
 
@@ -85,7 +93,7 @@ def _source(ws, txn, sid) -> int:
     return removed
 
 
-def rewrite_store(ws, txn, sid, subject_hash) -> dict:
+def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) -> dict:
     """Events, quarantine, generated source, stays and code counts without the subject; the subject's hash on
     the suppression list; the store's generation bumped (no cache over the old content is reused)."""
     removed = {}
@@ -103,7 +111,7 @@ def rewrite_store(ws, txn, sid, subject_hash) -> dict:
     return removed
 
 
-def remove_stay_artifacts(ws, txn, sid, stay_files) -> dict:
+def remove_stay_artifacts(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -> dict:
     """Per-stay results and memories (they hold only this patient); the learned-key encoder, trained on the
     training split and so possibly on this patient (the next run retrains it)."""
     removed = {}

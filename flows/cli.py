@@ -4,6 +4,7 @@ Argument parsing imports nothing heavy, so ``--help`` and ``--version`` answer a
 a flow would start (a missing source, an unknown or already-deleted subject, an invalid cohort config) is
 reported in one line with exit 2 (0 for "already deleted") and starts no Prefect server.
 """
+from __future__ import annotations
 import argparse
 import json
 import os
@@ -30,7 +31,7 @@ def _version():
         return "unknown"
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="forgetful", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--version", action="version", version=f"forgetful {_version()}")
@@ -213,7 +214,7 @@ def _run(args):
     return _delete(args) if args.cmd == "delete" else _scheduled(args)
 
 
-def main(argv=None):
+def main(argv: list | None = None) -> int | None:
     args = build_parser().parse_args(argv)
     _quiet_prefect(args.verbose)
     from cohorts.definitions import CohortConfigError

@@ -7,6 +7,7 @@ persisted (``persist_result=False``); only the report rendering is cached, by it
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,13 +15,15 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE
 from prefect.futures import as_completed
-from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+from prefect.client.schemas.objects import State, TaskRun
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+from prefect.tasks import Task
 
 from cohorts.definitions import CohortConfigError, install_config, workspace_config
-from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, aggregate, balanced_chunks, headline_rows,
-                                long_rows, run_sweep)
-from cohorts.protocols import score_token_streams
-from cohorts.provenance import provenance
+from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, EventStream, aggregate, balanced_chunks,
+                                headline_rows, long_rows, run_sweep)
+from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
+from cohorts.provenance import Provenance, provenance
 from cohorts.runs import (HEADLINE_BUDGET, TOKEN_MODES, run_metadata, save_results, train_key_encoder,
                           update_cohort_memory, workspace_event_streams, workspace_token_streams)
 from deletion import AlreadyDeleted, delete_subject, resolve_subject
@@ -37,7 +40,7 @@ TASK_RUNNERS = ("process", "thread", "dask")
 
 
 @contextmanager
-def shared_api_server():
+def shared_api_server() -> Iterator[None]:
     """One Prefect API for every process of a run.
 
     With no ``PREFECT_API_URL`` configured, Prefect starts a temporary server per interpreter, so each
@@ -68,7 +71,7 @@ def shared_api_server():
         os.environ.pop("PREFECT_API_URL", None)
 
 
-def make_task_runner(kind="process", workers=None):
+def make_task_runner(kind: str = "process", workers: int | None = None) -> TaskRunner:
     """'process' (default: a local process pool, one worker per core), 'thread', or 'dask' (prefect-dask)."""
     workers = workers or os.cpu_count() or 1
     if kind == "process":
@@ -86,7 +89,7 @@ def make_task_runner(kind="process", workers=None):
     raise ValueError(f"task runner must be one of {TASK_RUNNERS}, got {kind!r}")
 
 
-def retry_unless_bad_input(task, task_run, state) -> bool:
+def retry_unless_bad_input(task: Task, task_run: TaskRun, state: State) -> bool:
     """Retry what can succeed on retry (I/O, a busy file), never bad input: it fails the same way again."""
     try:
         state.result()
@@ -98,7 +101,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def extract_task(source, store, root, memory_limit="4GB"):
+def extract_task(source: str, store: str, root: str, memory_limit: str = "4GB") -> dict:
     s = extract(source, store, key=load_key(root), memory_limit=memory_limit)
     get_run_logger().info("extracted %d new events (%d in store, %d suppressed rows)", s.new_events,
                           s.total_events, s.suppressed_rows)
@@ -107,7 +110,7 @@ def extract_task(source, store, root, memory_limit="4GB"):
 
 
 @task(retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def train_encoder_task(root, steps):
+def train_encoder_task(root: str, steps: int) -> dict:
     """Learned event keys: train the encoder on the training split's windows (CUDA when present)."""
     with progress.step(f"training the key encoder ({steps} steps)"):
         info = train_key_encoder(Workspace(root), steps)
@@ -117,45 +120,47 @@ def train_encoder_task(root, steps):
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def prepare_streams(root, max_events):
+def prepare_streams(root: str, max_events: int | None) -> tuple[list[EventStream], dict]:
     return workspace_event_streams(Workspace(root), max_events)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def prepare_token_streams_task(root):
+def prepare_token_streams_task(root: str) -> tuple[list[TokenStream], StreamingSettings, dict]:
     with progress.step("building hourly tokens, labels, and the streaming setting (training split)"):
         return workspace_token_streams(Workspace(root))
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def score_chunk(streams, budgets, fractions, memory_budget):
+def score_chunk(streams: list[EventStream], budgets: tuple, fractions: tuple,
+                memory_budget: int | None) -> list[dict]:
     return run_sweep(streams, budgets=budgets, fractions=fractions, workers=1, memory_budget=memory_budget)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def score_token_chunk(streams, budgets, fractions, settings, fixed, memory_budget):
+def score_token_chunk(streams: list[TokenStream], budgets: tuple, fractions: tuple, settings: StreamingSettings,
+                      fixed: bool, memory_budget: int | None) -> list[dict]:
     return score_token_streams(streams, budgets, fractions, settings, fixed, memory_budget=memory_budget,
                                fraction_cap=max(budgets) if budgets else None)
 
 
 @task(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
-def save_results_task(rows, root):
+def save_results_task(rows: list[dict], root: str) -> str:
     return str(save_results(Workspace(root), rows))
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def provenance_task(root, source):
+def provenance_task(root: str, source: str | None) -> Provenance:
     ws = Workspace(root)
     return provenance(ws.store, ws.root, source)
 
 
 @task(cache_policy=INPUTS)
-def render_task(result, root):
+def render_task(result: dict, root: str) -> str:
     return str(render_report(result, root))
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def cohort_memory_task(root, budget, tokens):
+def cohort_memory_task(root: str, budget: int, tokens: str) -> dict:
     with progress.step("cohort memory", unit="tokens") as advance:
         info = update_cohort_memory(Workspace(root), budget=budget, tokens=tokens, on_fed=advance)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
@@ -164,7 +169,7 @@ def cohort_memory_task(root, budget, tokens):
 
 
 @flow(name="forgetful-ingest")
-def ingest(root, source=None, memory_limit="4GB"):
+def ingest(root: str | Path, source: str | Path | None = None, memory_limit: str = "4GB") -> dict:
     """Extract new data into the workspace's store (the embedded generator's data when no source is given)."""
     ws = Workspace(root)
     if source is None:
@@ -177,8 +182,9 @@ def ingest(root, source=None, memory_limit="4GB"):
 
 
 @flow(name="forgetful-evaluate")
-def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None, chunks=None,
-             tokens="hourly"):
+def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+             fractions: tuple[float, ...] = DEFAULT_FRACTIONS, max_events: int | None = None,
+             chunks: int | None = None, tokens: str = "hourly") -> dict:
     """Both protocols over the evaluation stays' hourly tokens (``tokens='hourly'``), or the streaming budget
     sweep over their raw events ('events'); parallel over chunks of stays on the flow's task runner."""
     t0 = time.perf_counter()
@@ -213,7 +219,7 @@ def evaluate(root, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_eve
 
 
 @flow(name="forgetful-report")
-def report(root, result):
+def report(root: str | Path, result: dict) -> str:
     path = render_task(result, str(Workspace(root).root))
     headline = [{"protocol": r["protocol"], "tokens": r["tokens"], "label": r["label"], "budget": r["budget"],
                  "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
@@ -228,9 +234,12 @@ def report(root, result):
 
 
 @flow(name="forgetful-scheduled-run")
-def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DEFAULT_FRACTIONS, max_events=None,
-                  cohort_budget=128, lock_wait_seconds=600.0, task_runner="process", workers=None,
-                  encoder_steps=100, tokens="hourly", config=None, memory_limit="4GB"):
+def scheduled_run(root: str | Path = "out", source: str | Path | None = None,
+                  budgets: tuple[int, ...] = DEFAULT_BUDGETS, fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
+                  max_events: int | None = None,
+                  cohort_budget: int = 128, lock_wait_seconds: float = 600.0, task_runner: str = "process",
+                  workers: int | None = None, encoder_steps: int = 100, tokens: str = "hourly",
+                  config: str | None = None, memory_limit: str = "4GB") -> dict:
     """ingest -> (train the key encoder) -> evaluate -> cohort memory -> report, holding the workspace lock
     (deletions wait for it).
 
@@ -263,7 +272,8 @@ def scheduled_run(root="out", source=None, budgets=DEFAULT_BUDGETS, fractions=DE
 
 
 @flow(name="forgetful-delete-patient")
-def delete_patient(root, subject_hash, mode="decrement", wait_seconds=60.0):
+def delete_patient(root: str | Path, subject_hash: str, mode: str = "decrement",
+                   wait_seconds: float = 60.0) -> dict | None:
     """Delete the subject whose keyed hash is ``subject_hash`` (:func:`pipeline.privacy.keyed_hash` under the
     workspace's key): Prefect's database, logs and results see the hash, never the raw id.
 

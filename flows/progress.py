@@ -4,9 +4,15 @@ A rich bar with counts and ETA when stderr is a terminal, plain lines ("step: 12
 when disabled (the default: a deployment's worker logs through Prefect instead). The CLI enables it; the flows
 report their steps here, so the same code serves both.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import sys
 import time
 from contextlib import contextmanager
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 _state = {"enabled": False}
 
@@ -31,7 +37,7 @@ def _plain(name, total, unit):
 
 
 @contextmanager
-def step(name: str, total: int | None = None, unit: str = "items"):
+def step(name: str, total: int | None = None, unit: str = "items") -> Iterator:
     """A long step; yields ``advance(n=1)`` to count finished items (ignored without a ``total``)."""
     if not _state["enabled"]:
         yield lambda n=1: None

@@ -4,6 +4,7 @@ Exact duplicate keys are one atom with multiplicity m (box m C). An atom occupie
 buffers; slots freed by deleted atoms are reused. ``seq`` numbers atoms in creation order, the canonical order
 in which outputs and digests sum over them, so that a state does not depend on how its atoms occupy slots.
 """
+from __future__ import annotations
 import hashlib
 import itertools
 from typing import Hashable, NamedTuple
@@ -77,7 +78,7 @@ class AtomRegistry:
             raise UnknownTokenError(f"unknown token id {token_id!r}") from None
         return self.slot_of_seq[seq]
 
-    def slot_of_key(self, x: np.ndarray):
+    def slot_of_key(self, x: np.ndarray) -> int | None:
         """The slot of the atom whose key equals x bit for bit, or None."""
         seq = self.seq_of_keybytes.get(x.tobytes())
         return None if seq is None else self.slot_of_seq[seq]

@@ -8,6 +8,7 @@ fed in ``order_key`` order (ISO time, then event hash and occurrence). ``history
 (:func:`history_digest`): a run compares it with the store's rows up to the watermark to notice rows that
 arrived late (dated before the watermark), which a watermark alone would skip for ever.
 """
+from __future__ import annotations
 import hashlib
 import json
 import shutil
@@ -19,33 +20,33 @@ from .policies import SVSelection
 from .svmemory import SVMemory
 
 
-def token_id(owner: str, item, occurrence) -> str:
+def token_id(owner: str, item: str, occurrence: int) -> str:
     """``owner``: an opaque reference of whom the token belongs to (the pipeline passes a keyed hash, so the
     memory never holds a patient identifier); ``item``: what the token is within the owner's stream."""
     return f"{owner}:{item}:{int(occurrence)}"
 
 
-def owner_of(token) -> str:
+def owner_of(token: str) -> str:
     return str(token).split(":", 1)[0]
 
 
 DIGEST_MOD = 1 << 64
 
 
-def row_hash(order_key: str, key) -> int:
+def row_hash(order_key: str, key: np.ndarray) -> int:
     """A row's contribution to a history digest: its order key and its key's fp64 bytes."""
     h = hashlib.sha256(order_key.encode() + np.ascontiguousarray(key, dtype=np.float64).tobytes()).digest()
     return int.from_bytes(h[:8], "big")
 
 
-def history_digest(order_keys, keys, upto: str) -> int:
+def history_digest(order_keys: list, keys: np.ndarray, upto: str) -> int:
     """The multiset hash (sum of row hashes mod 2^64) of the rows ordered at or before ``upto``: equal for
     equal histories in any order, and a row can be subtracted from it (deletion) without the others."""
     return sum(row_hash(o, k) for o, k in zip(order_keys, keys) if o <= upto) % DIGEST_MOD
 
 
 class CohortMemory:
-    def __init__(self, budget=128, gamma=0.5, nu=0.5):
+    def __init__(self, budget: int = 128, gamma: float = 0.5, nu: float = 0.5):
         self.policy = SVSelection(budget, gamma=gamma, nu=nu)
         self.gamma = gamma
         self.watermark = ""
@@ -53,10 +54,10 @@ class CohortMemory:
         self.history = 0          # history_digest of every row fed so far (None: a checkpoint from before it)
 
     @property
-    def memory(self):
+    def memory(self) -> SVMemory:
         return self.policy.memory
 
-    def feed(self, keys, token_ids, order_keys):
+    def feed(self, keys: np.ndarray, token_ids: list, order_keys: list) -> None:
         """Offer events in order; those at or below the watermark (already fed) are skipped."""
         for key, tid, ok in zip(keys, token_ids, order_keys):
             if ok <= self.watermark:
@@ -67,17 +68,17 @@ class CohortMemory:
             if self.history is not None:
                 self.history = (self.history + row_hash(ok, key)) % DIGEST_MOD
 
-    def forget_history(self, order_keys, keys) -> None:
+    def forget_history(self, order_keys: list, keys: np.ndarray) -> None:
         """Take rows that were fed out of the history digest (a deleted patient's rows at or before the
         watermark), so the digest stays that of the store's rows."""
         if self.history is not None:
             gone = sum(row_hash(o, k) for o, k in zip(order_keys, keys) if o <= self.watermark)
             self.history = (self.history - gone) % DIGEST_MOD
 
-    def tokens_of(self, owner: str):
+    def tokens_of(self, owner: str) -> list:
         return [t for t in self.memory.token_ids() if owner_of(t) == owner]
 
-    def save(self, directory):
+    def save(self, directory: Path) -> None:
         d = Path(directory)
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -92,7 +93,7 @@ class CohortMemory:
         tmp.rename(d)
 
     @classmethod
-    def load(cls, directory):
+    def load(cls, directory: Path) -> CohortMemory:
         d = Path(directory)
         meta = json.loads((d / "meta.json").read_text())
         cm = cls.__new__(cls)

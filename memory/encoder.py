@@ -7,21 +7,27 @@ events of the training stays through the batched SV solver (``memory.torch_layer
 and maximises the coefficient mass on flagged events (deterioration hours or rare items), i.e. it learns keys
 under which those events are support vectors and the routine ones are reserve. Runs on CUDA when present.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
 
 from .torch_layer import batched_sv_coefficients, rbf_torch
 
+if TYPE_CHECKING:
+    import numpy as np
+
 N_FEATURES = 5  # standardised value, has-value, hours/24, sin and cos of the hour of day
 
 
-def default_device():
+def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class EventEncoder(torch.nn.Module):
-    def __init__(self, codes, key_dim=8, code_dim=8, hidden=32):
+    def __init__(self, codes: list, key_dim: int = 8, code_dim: int = 8, hidden: int = 32):
         super().__init__()
         self.codes = sorted(set(codes))
         self.index = {c: i + 1 for i, c in enumerate(self.codes)}  # 0: a code unseen in training
@@ -30,24 +36,25 @@ class EventEncoder(torch.nn.Module):
         self.mlp = torch.nn.Sequential(torch.nn.Linear(code_dim + N_FEATURES, hidden), torch.nn.Tanh(),
                                        torch.nn.Linear(hidden, key_dim))
 
-    def code_indices(self, codes):
+    def code_indices(self, codes: list) -> torch.Tensor:
         return torch.tensor([self.index.get(c, 0) for c in codes], dtype=torch.long)
 
-    def forward(self, code_idx, features):
+    def forward(self, code_idx: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cat([self.embedding(code_idx), features], dim=-1))
 
-    def save(self, path):
+    def save(self, path: Path) -> None:
         torch.save({"state": self.state_dict(), "codes": self.codes, "config": self.config}, Path(path))
 
     @classmethod
-    def load(cls, path, map_location="cpu"):
+    def load(cls, path: Path, map_location: str = "cpu") -> EventEncoder:
         blob = torch.load(Path(path), map_location=map_location, weights_only=True)
         enc = cls(blob["codes"], **blob["config"])
         enc.load_state_dict(blob["state"])
         return enc
 
 
-def selection_loss(encoder, code_idx, feats, flags, C, gamma, iters):
+def selection_loss(encoder: EventEncoder, code_idx: torch.Tensor, feats: torch.Tensor, flags: torch.Tensor, C: float,
+                   gamma: float, iters: int) -> torch.Tensor:
     keys = encoder(code_idx, feats)
     alpha = batched_sv_coefficients(rbf_torch(keys, keys, gamma), C, iters=iters)
     flagged_mass = (alpha * flags).sum(-1)
@@ -56,8 +63,9 @@ def selection_loss(encoder, code_idx, feats, flags, C, gamma, iters):
     return (1.0 - flagged_mass[has] / best[has]).mean() if has.any() else alpha.sum() * 0.0
 
 
-def train_encoder(codes, feats, flags, C=1 / 8, gamma=0.5, steps=100, lr=0.03, batch=32, iters=30, seed=0,
-                  device=None, encoder=None):
+def train_encoder(codes: list, feats: np.ndarray, flags: np.ndarray, C: float = 1 / 8, gamma: float = 0.5,
+                  steps: int = 100, lr: float = 0.03, batch: int = 32, iters: int = 30, seed: int = 0,
+                  device: torch.device | None = None, encoder: EventEncoder | None = None) -> tuple:
     """Adam on the selection loss; returns (encoder, loss per step)."""
     device = device or default_device()
     torch.manual_seed(seed)
@@ -78,7 +86,8 @@ def train_encoder(codes, feats, flags, C=1 / 8, gamma=0.5, steps=100, lr=0.03, b
     return encoder.cpu(), history
 
 
-def evaluate_loss(encoder, codes, feats, flags, C=1 / 8, gamma=0.5, iters=30):
+def evaluate_loss(encoder: EventEncoder, codes: list, feats: np.ndarray, flags: np.ndarray, C: float = 1 / 8,
+                  gamma: float = 0.5, iters: int = 30) -> float:
     with torch.no_grad():
         idx = torch.stack([encoder.code_indices(w) for w in codes])
         return float(selection_loss(encoder, idx, torch.as_tensor(feats, dtype=torch.float32),

@@ -10,6 +10,7 @@ Decision value ("g-form", the convention used everywhere in this package)::
 
 Partition: margin S (0 < a < b, g = 0), bound E (a = b, g <= 0), reserve R (a = 0, g >= 0).
 """
+from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 RESERVE, MARGIN, BOUND = 0, 1, 2
 
 
-def kkt_residual(alpha, g, box, status):
+def kkt_residual(alpha: np.ndarray, g: np.ndarray, box: np.ndarray, status: np.ndarray) -> float:
     """Largest violation of the KKT conditions (0 at an exact optimum).
 
     max(|1^T a - 1|, box violation, max_S |g|, max(0, -min_R g), max(0, max_E g)).
@@ -33,7 +34,7 @@ def kkt_residual(alpha, g, box, status):
     return max(0.0, *parts)
 
 
-def bordered_matrix(K, S):
+def bordered_matrix(K: np.ndarray, S: np.ndarray) -> np.ndarray:
     """M = [[0, 1^T], [1, 2 K_SS]] for margin set S (index array)."""
     m = len(S)
     M = np.empty((m + 1, m + 1))
@@ -44,7 +45,7 @@ def bordered_matrix(K, S):
     return M
 
 
-def bordered_rhs(K, diag, box, S, E):
+def bordered_rhs(K: np.ndarray, diag: np.ndarray, box: np.ndarray, S: np.ndarray, E: np.ndarray) -> np.ndarray:
     """c = [1 - sum_E b ; d_S - 2 K_SE b_E] of the fixed-partition system M [rho; a_S] = c."""
     rhs = np.empty(len(S) + 1)
     rhs[0] = 1.0 - box[E].sum()
@@ -54,13 +55,13 @@ def bordered_rhs(K, diag, box, S, E):
     return rhs
 
 
-def gradient(K, alpha, rho, diag):
+def gradient(K: np.ndarray, alpha: np.ndarray, rho: float, diag: np.ndarray) -> np.ndarray:
     """g_i = rho - K_ii + 2 (K a)_i over the atoms, summing only nonzero coefficients."""
     active = np.flatnonzero(alpha)
     return rho - diag + 2.0 * (K[:, active] @ alpha[active])
 
 
-def midpoint_rho(K, alpha, status, diag):
+def midpoint_rho(K: np.ndarray, alpha: np.ndarray, status: np.ndarray, diag: np.ndarray) -> float:
     """rho when the margin set is empty: the midpoint of its feasible interval (libsvm's convention).
 
     With h_i = d_i - 2 (K a)_i, KKT asks max_R h <= rho <= min_E h.
@@ -84,7 +85,7 @@ def midpoint_rho(K, alpha, status, diag):
 BOUNDARY_SNAP = 1e-13
 
 
-def degenerate_margin(alpha, box, status):
+def degenerate_margin(alpha: np.ndarray, box: np.ndarray, status: np.ndarray) -> tuple:
     """Margin atoms whose coefficient sits on a bound: (to_reserve, to_bound) boolean masks."""
     margin = status == MARGIN
     return margin & (alpha <= BOUNDARY_SNAP), margin & (alpha >= box - BOUNDARY_SNAP)
@@ -117,7 +118,8 @@ def _solve_partition(K, diag, box, status):
     return alpha, rho
 
 
-def solve_exact(K, box, alpha_guess, diag=1.0, max_iter=60, tol=1e-12):
+def solve_exact(K: np.ndarray, box: np.ndarray, alpha_guess: np.ndarray, diag: float = 1.0, max_iter: int = 60,
+                tol: float = 1e-12) -> BatchSolution:
     """Exact KKT point of the fixed-box problem from an approximate solution (primal-dual active-set repair).
 
     A batch QP's "zeros" are only ~1e-9; a certificate or a deviation measured against it would inherit that

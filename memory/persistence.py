@@ -1,4 +1,7 @@
 """An SV memory's full state in one ``.npz`` file (no pickle): keys, Gram matrix, coefficients, KKT inverse."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import json
 import math
 import os
@@ -10,8 +13,11 @@ from . import solver_core as core
 from .atoms import TokenRecord
 from .solver_state import GUARDS
 
+if TYPE_CHECKING:
+    from memory.svmemory import SVMemory
 
-def save_memory(mem, path) -> None:
+
+def save_memory(mem: SVMemory, path: Path) -> None:
     """Write ``mem``'s state to ``path`` atomically. Token ids must be JSON scalars (int or str)."""
     atoms, buf = mem._atoms, mem._buf
     n = atoms.n
@@ -40,7 +46,7 @@ def save_memory(mem, path) -> None:
     os.replace(tmp, path)
 
 
-def load_memory(cls, path):
+def load_memory(cls: type, path: Path) -> SVMemory:
     """Inverse of :func:`save_memory`: the same state, bit for bit, as an instance of ``cls``."""
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))

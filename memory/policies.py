@@ -15,6 +15,7 @@ Every policy holds at most ``budget`` events; ``learn_one(key, value, token_id)`
 * ``ReservoirRandom``: uniform sample of the whole history (Algorithm R), seeded.
 * ``SVLearnedSelection``: SV selection on the keys of a trained encoder (a stream's ``learned_keys``).
 """
+from __future__ import annotations
 import heapq
 import math
 
@@ -26,7 +27,7 @@ from .svmemory import SVMemory
 class SVSelection:
     name = "sv_certified"
 
-    def __init__(self, budget, gamma=0.5, nu=0.5, memory=None):
+    def __init__(self, budget: int, gamma: float = 0.5, nu: float = 0.5, memory: SVMemory | None = None):
         self.budget = int(budget)
         self.nu = nu
         self.C = 1.0 / (nu * self.budget)
@@ -37,7 +38,7 @@ class SVSelection:
         self.uncertified = 0
         self.certified_ids = []   # tokens evicted with a certificate, in eviction order (certificate expiry)
 
-    def learn_one(self, key, value, token_id):
+    def learn_one(self, key: np.ndarray, value: np.ndarray | None, token_id: int | str) -> None:
         self.memory.add(key, value, token_id=token_id)
         if self.memory.n_tokens <= self.budget:
             return
@@ -50,7 +51,7 @@ class SVSelection:
             self.memory.remove(self.memory.smallest_active())
             self.uncertified += 1
 
-    def kept(self):
+    def kept(self) -> set:
         return set(self.memory.token_ids())
 
 
@@ -62,30 +63,30 @@ class SVLearnedSelection(SVSelection):
 class Recency:
     name = "recency"
 
-    def __init__(self, budget, **_):
+    def __init__(self, budget: int, **_):
         self.budget = int(budget)
         self.ids = []
 
-    def learn_one(self, key, value, token_id):
+    def learn_one(self, key: np.ndarray, value: np.ndarray, token_id: int) -> None:
         self.ids.append(token_id)
         if len(self.ids) > self.budget:
             self.ids.pop(0)
 
-    def kept(self):
+    def kept(self) -> set:
         return set(self.ids)
 
 
 class SoftmaxHeavyHitter:
     name = "softmax_h2o"
 
-    def __init__(self, budget, **_):
+    def __init__(self, budget: int, **_):
         self.budget = int(budget)
         self.recent = max(1, self.budget // 2)
         self.ids = []
         self.keys = None   # (budget + 1, d): stored keys in arrival order
         self.mass = np.zeros(self.budget + 1)
 
-    def learn_one(self, key, value, token_id):
+    def learn_one(self, key: np.ndarray, value: np.ndarray, token_id: int) -> None:
         key = np.asarray(key, dtype=np.float64)
         n = len(self.ids)
         if self.keys is None:
@@ -103,21 +104,21 @@ class SoftmaxHeavyHitter:
             self.keys[i:-1] = self.keys[i + 1:].copy()
             self.mass[i:-1] = self.mass[i + 1:].copy()
 
-    def kept(self):
+    def kept(self) -> set:
         return set(self.ids)
 
 
 class ResidualRetention:
     name = "residual_delta"
 
-    def __init__(self, budget, beta=0.5, **_):
+    def __init__(self, budget: int, beta: float = 0.5, **_):
         self.budget = int(budget)
         self.beta = beta
         self.S = None
         self.heap = []
         self._n = 0
 
-    def learn_one(self, key, value, token_id):
+    def learn_one(self, key: np.ndarray, value: np.ndarray, token_id: int) -> None:
         k = np.asarray(key, dtype=np.float64)
         k = k / (np.linalg.norm(k) or 1.0)
         v = np.asarray(value, dtype=np.float64)
@@ -133,20 +134,20 @@ class ResidualRetention:
         elif score > self.heap[0][0]:
             heapq.heapreplace(self.heap, item)
 
-    def kept(self):
+    def kept(self) -> set:
         return {t for _, _, t in self.heap}
 
 
 class ReservoirRandom:
     name = "random"
 
-    def __init__(self, budget, seed=0, **_):
+    def __init__(self, budget: int, seed: int = 0, **_):
         self.budget = int(budget)
         self.rng = np.random.default_rng(seed)
         self.ids = []
         self._n = 0
 
-    def learn_one(self, key, value, token_id):
+    def learn_one(self, key: np.ndarray, value: np.ndarray, token_id: int) -> None:
         self._n += 1
         if len(self.ids) < self.budget:
             self.ids.append(token_id)
@@ -155,7 +156,7 @@ class ReservoirRandom:
             if j < self.budget:
                 self.ids[j] = token_id
 
-    def kept(self):
+    def kept(self) -> set:
         return set(self.ids)
 
 

@@ -7,6 +7,9 @@ After a deletion the refit uses nu' = 1 / ((n - 1) C): C stays fixed, the retain
 libsvm stops at its own tolerance (~1e-8 on coefficients), so the report gives the raw comparison and one
 against the refit snapped to an exact KKT point (memory.kkt.solve_exact) from sklearn's solution.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +17,9 @@ import numpy as np
 from .kernels import KERNEL_DIAGONAL, rbf
 from .kkt import BOUND, MARGIN, RESERVE, solve_exact
 from .libsvm import sklearn_fit
+
+if TYPE_CHECKING:
+    from memory.svmemory import SVMemory
 
 
 @dataclass
@@ -41,11 +47,12 @@ class RefitReport:
     kkt_residual_refit: float
     rho_pinned: bool
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def verify_against_refit(memory, probes=None, n_jitter=64, seed=0, degenerate_tol=1e-9):
+def verify_against_refit(memory: SVMemory, probes: np.ndarray | None = None, n_jitter: int = 64, seed: int = 0,
+                         degenerate_tol: float = 1e-9) -> RefitReport:
     """Refit the memory's retained tokens from scratch and compare it with the maintained state.
 
     Parameters

@@ -9,6 +9,9 @@ buffers, which they update in place.
 The state they work on is ``memory.solver_state.SolverBuffers`` (the arrays, updated in place; a sweep whose
 margin set outgrows its buffers returns new ones) and ``SolverSettings`` (the solver's constants).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import math
 
 import numpy as np
@@ -16,6 +19,9 @@ from numba import njit
 
 from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE
 from .solver_state import GUARDS, SolverBuffers  # noqa: F401 -- GUARDS names the counters indexed below
+
+if TYPE_CHECKING:
+    from memory.solver_state import SolverSettings
 
 DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
 # A slot whose atom was deleted, until a new atom takes it: a zero coefficient and box, no set, so every loop
@@ -45,7 +51,7 @@ SWEPT_TO_TARGET, SWEPT_TO_MARGIN, SWEPT_NO_EVENT, SWEPT_ITERATION_CAP = range(4)
 
 
 @njit(cache=True)
-def gather_margin_kernel(K, S, m, KSS):
+def gather_margin_kernel(K: np.ndarray, S: np.ndarray, m: int, KSS: np.ndarray) -> None:
     """KSS[:m, :m] = K[S, S] (after the margin set was set from outside, e.g. on load)."""
     for a in range(m):
         row = K[S[a]]
@@ -54,7 +60,7 @@ def gather_margin_kernel(K, S, m, KSS):
 
 
 @njit(cache=True)
-def gather_margin_rows32(K, S, m, n, KS32):
+def gather_margin_rows32(K: np.ndarray, S: np.ndarray, m: int, n: int, KS32: np.ndarray) -> None:
     """KS32[a, :n] = K[S[a], :n] in single precision (after the margin set was set from outside)."""
     for a in range(m):
         _copy_row32(K, S[a], n, KS32, a)
@@ -69,7 +75,7 @@ def _copy_row32(K, j, n, KS32, a):
 
 
 @njit(cache=True)
-def refactor(buf):
+def refactor(buf: SolverBuffers) -> None:
     """Recompute K_SS and the bordered inverse from K (pseudo-inverse when it is numerically singular)."""
     K, S, KSS, ints, R, guards = buf.K, buf.S, buf.KSS, buf.ints, buf.R, buf.guards
     m = ints[0]
@@ -151,7 +157,7 @@ def _rank_one_update(R, size, u, scale):
 
 
 @njit(cache=True)
-def grow(buf, cfg, n, j):
+def grow(buf: SolverBuffers, cfg: SolverSettings, n: int, j: int) -> tuple:
     """Append atom j to the margin set by a rank-one growth of the bordered inverse.
 
     Returns (grown, beta_j, pivot): beta_j = -R [1; 2 K_Sj] (the rates of rho and a_S per unit a_j over the
@@ -202,7 +208,7 @@ def grow(buf, cfg, n, j):
 
 
 @njit(cache=True)
-def shrink(buf, cfg, n, pos):
+def shrink(buf: SolverBuffers, cfg: SolverSettings, n: int, pos: int) -> None:
     """Remove the margin atom at position ``pos`` of S from the bordered inverse.
 
     The last margin atom takes its place (in S and in the inverse's rows and columns): O(|S|) moves besides
@@ -256,7 +262,7 @@ def _accumulate_rows(K, rows, weights, count, n, out):
 
 
 @njit(cache=True)
-def position(S, m, j):
+def position(S: np.ndarray, m: int, j: int) -> int:
     for a in range(m):
         if S[a] == j:
             return a
@@ -357,7 +363,7 @@ def _beta_with(beta, beta_j, lam, m):
 
 
 @njit(cache=True)
-def enlarged_margin_buffers(buf, n, need):
+def enlarged_margin_buffers(buf: SolverBuffers, n: int, need: int) -> SolverBuffers:
     """``buf`` with margin buffers R, KSS, KS32 for at least ``need`` margin atoms (doubled, at most to the
     atoms' capacity), their first m (+1) rows and columns kept. A sweep whose margin set outgrows them goes on
     in these, the same path as in larger ones; the caller sizes them for a margin set it sets from outside."""
@@ -373,7 +379,8 @@ def enlarged_margin_buffers(buf, n, need):
 
 
 @njit(cache=True)
-def sweep(buf, cfg, n, c, s, target, rho, beta_start, g_err):
+def sweep(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s: float, target: float, rho: float,
+          beta_start: np.ndarray, g_err: float) -> tuple:
     """Move a_c monotonically (s = +1 up, -1 down) towards ``target``, keeping KKT on all other atoms.
 
     Each step goes to the nearest bookkeeping event (design note 4.3): a_c reaching its target, g_c reaching 0
@@ -557,7 +564,7 @@ def _refine(KSS, R, m, rhs, u):
 
 
 @njit(cache=True)
-def polish(buf, cfg, n, exclude, rho):
+def polish(buf: SolverBuffers, cfg: SolverSettings, n: int, exclude: int, rho: float) -> tuple:
     """Re-solve the bordered system on the current partition with the maintained inverse (iterative
     refinement from the current (rho, a_S), which after a sweep is within rounding of the solution; the
     inverse is rebuilt once when that does not converge), moving margin atoms that sit on a bound to that
@@ -634,7 +641,7 @@ def polish(buf, cfg, n, exclude, rho):
 
 
 @njit(cache=True)
-def finish(buf, cfg, n, exclude, rho, g_err):
+def finish(buf: SolverBuffers, cfg: SolverSettings, n: int, exclude: int, rho: float, g_err: float) -> tuple:
     """End of an operation: polish (from the current coefficients and ``rho``), then the exact KKT residual of
     the end state.
 
@@ -691,7 +698,8 @@ def _refresh_near(K, alpha, g, status, n, exclude, rho, diag, g_err):
 
 
 @njit(cache=True)
-def move_coefficient(buf, cfg, n, c, s, rho, g_err):
+def move_coefficient(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s: float, rho: float,
+                     g_err: float) -> tuple:
     """One solver operation in a single compiled call: take atom c out of its set, sweep a_c to its new box
     ``box[c]`` (s = +1 after a token was added, -1 after one was removed), then ``finish``. An atom swept down
     to a zero box is left in the reserve set and excluded from the end state (the caller drops it). ``g`` is
@@ -728,7 +736,7 @@ def move_coefficient(buf, cfg, n, c, s, rho, g_err):
 
 
 @njit(cache=True)
-def exact_g(K, alpha, n, rho, diag, g):
+def exact_g(K: np.ndarray, alpha: np.ndarray, n: int, rho: float, diag: float, g: np.ndarray) -> None:
     """g_i = rho - k_ii + 2 sum_j a_j K_ji over the atoms with nonzero coefficients (rows: K is symmetric)."""
     act = np.flatnonzero(alpha[:n])
     g[:n] = rho - diag
@@ -736,7 +744,7 @@ def exact_g(K, alpha, n, rho, diag, g):
 
 
 @njit(cache=True)
-def residual(alpha, g, box, status, n, exclude):
+def residual(alpha: np.ndarray, g: np.ndarray, box: np.ndarray, status: np.ndarray, n: int, exclude: int) -> float:
     """KKT residual over atoms 0..n-1 except ``exclude`` (same definition as ``kkt.kkt_residual``)."""
     total = 0.0
     worst = 0.0

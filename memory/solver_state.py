@@ -4,11 +4,17 @@
 ``SolverSettings`` the constants of a memory's solver. Both are NamedTuples, which numba passes into compiled
 code as one argument each instead of 23 positional ones.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import NamedTuple
 
 import numpy as np
 
 from .errors import SolverError
+
+if TYPE_CHECKING:
+    from memory.svmemory import SVMemory
 
 GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inverse", "pinv", "iteration_cap",
           "unconverged_refinement", "repair")
@@ -74,7 +80,7 @@ def empty_buffers() -> SolverBuffers:
         ints=np.zeros(2, dtype=np.int64), R=np.empty((1, 1)), guards=np.zeros(len(GUARDS), dtype=np.int64))
 
 
-def grown(a: np.ndarray, shape: tuple, dtype=np.float64) -> np.ndarray:
+def grown(a: np.ndarray, shape: tuple, dtype: type = np.float64) -> np.ndarray:
     """A zero array of ``shape`` holding ``a`` in its leading corner (a buffer grown, contents kept)."""
     out = np.zeros(shape, dtype=dtype)
     out[tuple(slice(0, s) for s in a.shape)] = a
@@ -113,7 +119,7 @@ class Rollback:
 
     __slots__ = ("mem", "saved")
 
-    def __init__(self, mem):
+    def __init__(self, mem: SVMemory):
         buf, n = mem._buf, mem._n
         self.mem = mem
         self.saved = Solution(n, buf.alpha[:n].copy(), buf.g[:n].copy(), buf.status[:n].copy(),

@@ -16,6 +16,9 @@ control (seed, admit, release, polish, repair) is ``memory.exact_solver``, its b
 compiled inner loops ``memory.solver_core``; the token/atom registry is ``memory.atoms``, persistence
 ``memory.persistence``.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import math
 from collections import Counter
 from typing import Hashable, NamedTuple
@@ -31,6 +34,9 @@ from .kernels import KERNEL_DIAGONAL, check_kernel, rbf, squared_distances
 from .kkt import BOUND, MARGIN, RESERVE, kkt_residual
 from .persistence import load_memory, save_memory
 from .solver_state import GUARDS, SolverSettings, empty_buffers, with_atom_capacity
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
 _FEAS_SLACK = 1e-12
@@ -307,7 +313,8 @@ class SVMemory(ExactSolver):
         self._atoms.close_atom(slot)
 
     # ------------------------------------------------------------------ public API: add / remove
-    def add(self, key, value=None, token_id: Hashable = None) -> Hashable:
+    def add(self, key: list | np.ndarray, value: np.ndarray | None = None,
+            token_id: Hashable | None = None) -> Hashable:
         """Insert one event; returns its token id.
 
         The new token enters the reserve set at O(stored) cost when it already lies inside the description
@@ -341,7 +348,7 @@ class SVMemory(ExactSolver):
             raise
         return token_id
 
-    def learn_one(self, key, value=None, token_id: Hashable = None) -> Hashable:
+    def learn_one(self, key: bytes, value: np.ndarray | None = None, token_id: Hashable | None = None) -> Hashable:
         """river's one-event name for :meth:`add`."""
         return self.add(key, value, token_id)
 
@@ -367,7 +374,7 @@ class SVMemory(ExactSolver):
                 raise
         self._forget_token(token_id, slot)
 
-    def remove_many(self, token_ids) -> None:
+    def remove_many(self, token_ids: list) -> None:
         """Delete several tokens (all-or-nothing on validation: unknown ids or infeasibility raise first)."""
         token_ids = list(dict.fromkeys(token_ids))
         for t in token_ids:
@@ -442,7 +449,7 @@ class SVMemory(ExactSolver):
             raise SolverError(f"state after evicting {token_id!r} does not match its certificate")
         return cert
 
-    def state_digest(self, exclude: Hashable = None, rho: float | None = None) -> str:
+    def state_digest(self, exclude: Hashable | None = None, rho: float | None = None) -> str:
         """SHA-256 over the solution state: C, gamma, rho, then every atom's leaf (SHA-256 of its key and token
         ids, cached per atom) and per-token coefficient, atoms in creation order (so the digest does not depend
         on how atoms occupy slots).
@@ -489,7 +496,7 @@ class SVMemory(ExactSolver):
         return None
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path) -> None:
+    def save(self, path: Path) -> None:
         """Write the full solver state (keys, Gram matrix, coefficients, KKT inverse) to an ``.npz`` file.
 
         Token ids must be JSON scalars (int or str). No pickle: the file loads with ``allow_pickle=False``.
@@ -497,7 +504,7 @@ class SVMemory(ExactSolver):
         save_memory(self, path)
 
     @classmethod
-    def load(cls, path) -> "SVMemory":
+    def load(cls, path: Path) -> "SVMemory":
         """Inverse of :meth:`save`: the same state, bit for bit."""
         return load_memory(cls, path)
 
@@ -506,7 +513,7 @@ class SVMemory(ExactSolver):
         idx = np.flatnonzero(self._buf.alpha[:self._n])
         return idx[np.argsort(self._atoms.seq[idx], kind="stable")]
 
-    def decision_function(self, X) -> np.ndarray:
+    def decision_function(self, X: list | np.ndarray) -> np.ndarray:
         """g(x) = rho - k(x, x) + 2 sum_j a_j k(x_j, x) for each row of X (> 0 inside the description)."""
         self.check_fitted()
         Q, single = self._check_queries(X)
@@ -515,7 +522,7 @@ class SVMemory(ExactSolver):
         out = self.rho_ - self._diag + 2.0 * (Kq @ self._buf.alpha[act])
         return out[0] if single else out
 
-    def read(self, query) -> np.ndarray:
+    def read(self, query: np.ndarray) -> np.ndarray:
         """The memory's output: sum_i a_i k(q, x_i) v_i / sum_i a_i k(q, x_i).
 
         Computed as a softmax over active tokens with logits log a_i - gamma ||q - x_i||^2 (the identity of the

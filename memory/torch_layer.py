@@ -18,13 +18,14 @@ batched KKT solve on the partition the iterate shows (implicit differentiation, 
 batched on any device and dtype, **carries no deletion certificate** (its zeros are only approximately zero);
 audit by re-solving frozen keys on the exact path (``approximation_gap``).
 """
+from __future__ import annotations
 import numpy as np
 import torch
 
 from .svmemory import SVMemory
 
 
-def rbf_torch(A, B, gamma):
+def rbf_torch(A: torch.Tensor, B: torch.Tensor, gamma: float) -> torch.Tensor:
     d2 = (A.unsqueeze(-2) - B.unsqueeze(-3)).pow(2).sum(-1)
     return torch.exp(-gamma * d2)
 
@@ -33,7 +34,7 @@ class SVCoefficients(torch.autograd.Function):
     """(keys (n, d) fp64, C, gamma) -> (alpha (n,), rho ()) of the exact fixed-C solution."""
 
     @staticmethod
-    def forward(ctx, X, C, gamma):
+    def forward(ctx, X: torch.Tensor, C: float, gamma: float) -> tuple:
         Xn = X.detach().cpu().numpy().astype(np.float64)
         mem = SVMemory(C=C, gamma=gamma)
         for i, x in enumerate(Xn):
@@ -51,7 +52,7 @@ class SVCoefficients(torch.autograd.Function):
         return alpha, torch.tensor(mem.rho_, dtype=X.dtype, device=X.device)
 
     @staticmethod
-    def backward(ctx, alpha_bar, rho_bar):
+    def backward(ctx, alpha_bar: torch.Tensor, rho_bar: torch.Tensor) -> tuple:
         (X,) = ctx.saved_tensors
         S, R = ctx.S, ctx.R
         n_atoms = len(ctx.alpha_atoms)
@@ -79,13 +80,13 @@ class SVCoefficients(torch.autograd.Function):
         return grad_X, None, None
 
 
-def readout(alpha, K_qx, values):
+def readout(alpha: torch.Tensor, K_qx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """o(q) = sum_i a_i k(q, x_i) v_i / sum_i a_i k(q, x_i) (batched over leading dimensions)."""
     W = K_qx * alpha.unsqueeze(-2)
     return (W @ values) / W.sum(-1, keepdim=True).clamp_min(1e-300)
 
 
-def project_capped_simplex(y, C):
+def project_capped_simplex(y: torch.Tensor, C: float) -> torch.Tensor:
     """Euclidean projection of each row of y onto {sum a = 1, 0 <= a <= C}: a = clip(y - tau, 0, C).
 
     s(tau) = sum clip(y - tau, 0, C) is decreasing and linear between the breakpoints {y_i, y_i - C}: evaluate
@@ -150,7 +151,8 @@ def _implicit_coefficients(K, alpha, C, tol, ridge):
     return torch.linalg.solve(A, rhs.unsqueeze(-1)).squeeze(-1)[..., 1:]
 
 
-def batched_sv_coefficients(K, C, iters=80, power_iters=20, tol=1e-6, ridge=1e-6):
+def batched_sv_coefficients(K: torch.Tensor, C: float, iters: int = 80, power_iters: int = 20, tol: float = 1e-6,
+                            ridge: float = 1e-6) -> torch.Tensor:
     """Approximate coefficients for a batch of Gram matrices K (..., n, n).
 
     The forward value comes from FISTA (no autograd graph); the gradient is that of the partition's KKT solve
@@ -172,23 +174,23 @@ class SVAttention(torch.nn.Module):
     approximation (no certificate).
     """
 
-    def __init__(self, C, gamma=0.5, exact=False, iters=80):
+    def __init__(self, C: float, gamma: float = 0.5, exact: bool = False, iters: int = 80):
         super().__init__()
         self.C, self.gamma, self.exact, self.iters = float(C), float(gamma), exact, iters
 
-    def coefficients(self, keys):
+    def coefficients(self, keys: torch.Tensor) -> torch.Tensor:
         if self.exact:
             if keys.dim() != 2:
                 raise ValueError("the exact path takes one (n, d) key set at a time")
             return SVCoefficients.apply(keys, self.C, self.gamma)[0]
         return batched_sv_coefficients(rbf_torch(keys, keys, self.gamma), self.C, iters=self.iters)
 
-    def forward(self, keys, values, queries):
+    def forward(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         alpha = self.coefficients(keys)
         return readout(alpha, rbf_torch(queries, keys, self.gamma), values)
 
 
-def approximation_gap(keys, C, gamma=0.5, iters=80):
+def approximation_gap(keys: torch.Tensor, C: float, gamma: float = 0.5, iters: int = 80) -> tuple:
     """max |a_approx - a_exact| and max |g_approx - g_exact| (decision values at the keys) for one key set."""
     X = keys.detach().to(torch.float64).cpu()
     with torch.no_grad():

@@ -13,6 +13,7 @@
   today's (consistency), so editing, dropping, reordering or truncating entries before a saved checkpoint is
   caught. Whoever holds the workspace but not the signing key cannot re-sign a rewritten log.
 """
+from __future__ import annotations
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ class EvidenceError(ValueError):
     """No usable signing key, or a log that cannot be appended to."""
 
 
-def canonical(obj) -> str:
+def canonical(obj: dict) -> str:
     return rfc8785.dumps(obj).decode()
 
 
@@ -45,17 +46,17 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def receipt_path(cert_path) -> Path:
+def receipt_path(cert_path: Path) -> Path:
     return Path(cert_path).parent / "proofs" / Path(cert_path).name
 
 
-def page_path(cert_path) -> Path:
+def page_path(cert_path: Path) -> Path:
     return Path(cert_path).with_suffix(".html")
 
 
 # -- signing key -----------------------------------------------------------------------------------------------
 
-def write_signing_key(path) -> Path:
+def write_signing_key(path: Path) -> Path:
     """A new Ed25519 private key (PEM) in a new owner-only file; never overwrites one."""
     pem = Ed25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                      serialization.NoEncryption())
@@ -66,7 +67,7 @@ def write_signing_key(path) -> Path:
             from None
 
 
-def load_signing_key(workspace) -> Ed25519PrivateKey:
+def load_signing_key(workspace: Path) -> Ed25519PrivateKey:
     path = os.environ.get(SIGNING_KEY_ENV)
     if not path:
         raise EvidenceError(f"no signing key for the deletion log: create one with `forgetful keygen --signing PATH` "
@@ -113,7 +114,7 @@ def _tree(leaves) -> InmemoryTree:
     return tree
 
 
-def read_log(root) -> Log:
+def read_log(root: Path) -> Log:
     """Read ``WS/ledger.jsonl`` and check each entry against the files it names; problems are listed, never
     raised, so a broken log is reported in full."""
     root = Path(root)
@@ -188,7 +189,7 @@ def check_consistency(log: Log, checkpoint: dict, what: str) -> list:
     return []
 
 
-def new_entry(log: Log, cert_name: str, cert_text: str, page_text: str, key: Ed25519PrivateKey):
+def new_entry(log: Log, cert_name: str, cert_text: str, page_text: str, key: Ed25519PrivateKey) -> tuple:
     """The ledger line, the signed checkpoint and the receipt of a new certificate (written by the caller, in
     its transaction)."""
     entry = {"seq": log.size, "certificate": cert_name, "certificate_sha256": sha256_text(cert_text),
@@ -204,7 +205,7 @@ def new_entry(log: Log, cert_name: str, cert_text: str, page_text: str, key: Ed2
     return line, canonical(checkpoint), canonical(receipt)
 
 
-def verify_certificate(cert_path, saved_checkpoint=None) -> list:
+def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None) -> list:
     """Problems with one certificate and the whole log ([] = verified): every entry against its files, the
     signed checkpoint, the certificate's inclusion proof, and the consistency of its receipt's (and of an
     auditor's ``saved_checkpoint`` file's) tree with today's log."""

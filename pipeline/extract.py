@@ -21,6 +21,7 @@ identical rows, so appended rows are added once and a re-run never double-counts
 Out of core: DuckDB runs with ``memory_limit`` and ``temp_directory`` set and spills its sorts; nothing is
 collected into Python.
 """
+from __future__ import annotations
 import gzip
 import hashlib
 import json
@@ -55,11 +56,11 @@ class ExtractSummary:
     total_events: int = 0
     seconds: float = 0.0
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def find_table(source, name):
+def find_table(source: Path, name: str) -> Path | None:
     folder, _ = TABLES[name]
     for ext in (".csv.gz", ".csv"):
         p = Path(source) / folder / f"{name}{ext}"
@@ -143,7 +144,7 @@ def _header(con, path):
     return [c.lower() for c in rel.columns]
 
 
-def connect(workdir, memory_limit="4GB", threads=None):
+def connect(workdir: Path, memory_limit: str = "4GB", threads: int | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB spilling to ``workdir/spill``: scratch tables (which hold patients' rows) never
     outlive the connection, so no deleted patient survives in a scratch database."""
     workdir = Path(workdir)
@@ -159,7 +160,7 @@ def connect(workdir, memory_limit="4GB", threads=None):
     return con
 
 
-def check_source(source) -> tuple[dict, list]:
+def check_source(source: Path | str) -> tuple[dict, list]:
     """(table -> path, missing optional tables); raise ExtractionError when ``source`` lacks a required table
     or column (reads headers only)."""
     con = duckdb.connect()
@@ -192,7 +193,7 @@ def _check_source(con, source):
     return paths, missing
 
 
-def load_manifest(out) -> dict:
+def load_manifest(out: Path) -> dict:
     """The store's manifest: per source file its path, size, mtime, sha256 and rows; the run history."""
     p = Path(out) / "manifest.json"
     return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
@@ -345,7 +346,8 @@ def _open_store(out, key):
     return created, suppression(out, key) if key is not None else None
 
 
-def extract(source, out, key: bytes | None = None, memory_limit="4GB", threads=None):
+def extract(source: Path | str, out: Path | str, key: bytes | None = None, memory_limit: str = "4GB",
+            threads: int | None = None) -> ExtractSummary | None:
     """Extract (or incrementally update) the event store in ``out`` from the MIMIC-IV directory ``source``.
 
     Returns an :class:`ExtractSummary`; rows rejected by a rule land in ``quarantine/`` with their reason and
@@ -417,12 +419,12 @@ def _write_codes(con, out, paths):
     codes.sort("code").collect().write_parquet(out / "codes.parquet")
 
 
-def scan_events(store):
+def scan_events(store: Path) -> pl.LazyFrame:
     """Lazy frame over the whole event store."""
     return pl.scan_parquet(Path(store) / "events" / "*" / "*.parquet", hive_partitioning=True)
 
 
-def quarantine_reasons(store) -> dict[str, int]:
+def quarantine_reasons(store: Path) -> dict[str, int]:
     """Rows the extraction rejected, by the rule that rejected them (empty when nothing was rejected)."""
     files = sorted((Path(store) / "quarantine").glob("*.parquet"))
     if not files:
@@ -438,7 +440,7 @@ class UnknownSubjectError(ExtractionError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def read_subject(store, subject_id):
+def read_subject(store: Path, subject_id: int) -> pl.DataFrame | None:
     """One patient's events in time order, reading only that patient's bucket."""
     bucket = Path(store) / "events" / f"bucket={int(subject_id) % N_BUCKETS}"
     frame = None

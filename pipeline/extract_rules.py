@@ -1,7 +1,13 @@
 """The extraction's SQL rules: MIMIC-IV tables and their columns, how each becomes MEDS-style events, and the
 rule that quarantines a row. Paths enter SQL only through :func:`sql_literal` (quoted, quotes doubled)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import csv
 import gzip
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 N_BUCKETS = 16
 
@@ -36,12 +42,12 @@ STAY_TOLERANCE_HOURS = 6
 MAX_MAGNITUDE = 1e9
 
 
-def sql_literal(value) -> str:
+def sql_literal(value: Path | str) -> str:
     """A string (a path) as a SQL literal: a quote in a path is doubled, not a broken query."""
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def header_names(path) -> list[str] | None:
+def header_names(path: Path | str) -> list[str] | None:
     """The header line's fields (None when the file cannot be opened as text: DuckDB then names the problem)."""
     try:
         with (gzip.open(path, "rt", encoding="utf-8", newline="") if str(path).endswith(".gz")
@@ -51,7 +57,7 @@ def header_names(path) -> list[str] | None:
         return None
 
 
-def csv_reader(path) -> str:
+def csv_reader(path: Path | str) -> str:
     """DuckDB's reader of a source table with MIMIC-IV's dialect and the header's columns stated, not sniffed,
     so a ragged row or a binary file is an error naming its line rather than a guessed dialect."""
     names = header_names(path)
@@ -60,23 +66,23 @@ def csv_reader(path) -> str:
             f"strict_mode=true{cols})")
 
 
-def ts(col):
+def ts(col: str) -> str:
     return f"TRY_CAST(NULLIF({col}, '') AS TIMESTAMP)"
 
 
-def bigint(col):
+def bigint(col: str) -> str:
     return f"TRY_CAST(NULLIF({col}, '') AS BIGINT)"
 
 
-def dbl(col):
+def dbl(col: str) -> str:
     return f"TRY_CAST(NULLIF({col}, '') AS DOUBLE)"
 
 
-def txt(col):
+def txt(col: str) -> str:
     return f"NULLIF({col}, '')"
 
 
-def event_selects(table):
+def event_selects(table: str) -> list:
     """SELECT lists producing (subject_id, raw_time, time, code, numeric_value, text_value, unit, hadm_id,
     stay_id, raw_numeric) from the raw all-varchar table ``t``."""
     def sel(time_col, code, num, text, unit, stay="stay_id", hadm="hadm_id"):
@@ -111,7 +117,7 @@ def event_selects(table):
     raise KeyError(table)
 
 
-def quarantine_reason():
+def quarantine_reason() -> str:
     signed = ", ".join(f"'LAB//{i}', 'CHART//{i}', 'OUTPUT//{i}', 'INPUT//{i}'" for i in sorted(SIGNED_ITEMS))
     nonneg = ", ".join(f"'{s}'" for s in NONNEGATIVE_SOURCES)
     tol = f"INTERVAL {STAY_TOLERANCE_HOURS} HOUR"

@@ -5,6 +5,7 @@ labevents, d_labitems, icustays, chartevents, inputevents, outputevents, procedu
 for the common vitals and labs, physiologically plausible values, stays that deteriorate (hypotension, hypoxia,
 rising lactate, vasopressor start, invasive ventilation, death) and a few rare items. Same seed, same bytes.
 """
+from __future__ import annotations
 import gzip
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -99,105 +100,121 @@ class _Tables:
         self.rows[table].append(",".join("" if v is None else str(v) for v in values))
 
 
+@dataclass(frozen=True)
+class _StayWindow:
+    subject_id: int
+    hadm_id: int
+    stay_id: int
+    intime: datetime
+    outtime: datetime
+    onset: datetime | None  # deterioration onset, if the stay deteriorates
+
+    @property
+    def hours(self) -> float:
+        return (self.outtime - self.intime).total_seconds() / 3600.0
+
+    def severity(self, t: datetime) -> float:
+        """0 before the onset, then ramping to 1 over four hours."""
+        if self.onset is None or t < self.onset:
+            return 0.0
+        return min(1.0, (t - self.onset).total_seconds() / 3600.0 / 4.0)
+
+
 def _stay(tb, rng, subject_id, hadm_id, stay_id, intime, hours, deteriorates, dies, ids):
-    """One ICU stay's vitals, labs, inputs, outputs and procedures; returns the death time, if any."""
+    """One ICU stay's vitals, labs, inputs, outputs and procedures; returns (outtime, death time or None).
+
+    The parts draw from ``rng`` in a fixed order, so the embedded data are the same bytes at every run."""
     onset = intime + timedelta(hours=float(rng.uniform(0.4, 0.8) * hours)) if deteriorates else None
     outtime = intime + timedelta(hours=hours)
     death = None
     if dies:
         death = onset + timedelta(hours=float(rng.uniform(3, 10)))
         outtime = min(outtime, death)
-    total_h = (outtime - intime).total_seconds() / 3600.0
+    w = _StayWindow(subject_id, hadm_id, stay_id, intime, outtime, onset)
+    _vitals(tb, rng, w)
+    _labs(tb, rng, w, ids)
+    _fluids(tb, rng, w, ids)
+    if onset is not None:
+        _deterioration(tb, rng, w, ids)
+    return outtime, death
 
-    def severity(t):
-        if onset is None or t < onset:
-            return 0.0
-        return min(1.0, (t - onset).total_seconds() / 3600.0 / 4.0)  # ramps over four hours
 
-    t = intime + timedelta(minutes=int(rng.integers(5, 40)))
-    while t < outtime:
-        s = severity(t)
+_VITAL_SHIFT = {220052: -28, 220179: -40, 220277: -11, 220045: 35, 220210: 12}  # change at full severity
+_LAB_SHIFT = {50813: 5.0, 50912: 1.2, 50802: -8}
+
+
+def _vitals(tb, rng, w: _StayWindow) -> None:
+    t = w.intime + timedelta(minutes=int(rng.integers(5, 40)))
+    while t < w.outtime:
+        s = w.severity(t)
         for itemid, (_, unit, mu, sd, lo, hi) in VITALS.items():
             if itemid == 220180 and rng.random() < 0.3:
                 continue
-            v = rng.normal(mu, sd)
-            if itemid == 220052:
-                v -= 28 * s
-            elif itemid == 220179:
-                v -= 40 * s
-            elif itemid == 220277:
-                v -= 11 * s
-            elif itemid == 220045:
-                v += 35 * s
-            elif itemid == 220210:
-                v += 12 * s
-            v = float(np.clip(v, lo, hi))
+            v = float(np.clip(rng.normal(mu, sd) + _VITAL_SHIFT.get(itemid, 0) * s, lo, hi))
             ct = t + timedelta(minutes=int(rng.integers(0, 5)))
-            tb.add("icu/chartevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)), _fmt(ct),
+            tb.add("icu/chartevents", w.subject_id, w.hadm_id, w.stay_id, int(rng.integers(1000, 9999)), _fmt(ct),
                    _fmt(ct + timedelta(minutes=7)), itemid, _num(v), _num(v), unit, 0)
         t += timedelta(minutes=int(rng.choice([30, 60, 60, 60, 120])))
 
-    t = intime + timedelta(hours=float(rng.uniform(0.2, 2)))
-    while t < outtime:
-        s = severity(t)
+
+def _labs(tb, rng, w: _StayWindow, ids) -> None:
+    t = w.intime + timedelta(hours=float(rng.uniform(0.2, 2)))
+    while t < w.outtime:
+        s = w.severity(t)
         spec = int(next(ids["specimen"]))
         for itemid, (_, unit, mu, sd, lo, hi, _) in LABS.items():
-            v = rng.normal(mu, sd)
-            if itemid == 50813:
-                v += 5.0 * s
-            elif itemid == 50912:
-                v += 1.2 * s
-            elif itemid == 50802:
-                v -= 8 * s
-            v = float(np.clip(v, lo, hi))
-            tb.add("hosp/labevents", next(ids["labevent"]), subject_id, hadm_id, spec, itemid, "", _fmt(t),
+            v = float(np.clip(rng.normal(mu, sd) + _LAB_SHIFT.get(itemid, 0) * s, lo, hi))
+            tb.add("hosp/labevents", next(ids["labevent"]), w.subject_id, w.hadm_id, spec, itemid, "", _fmt(t),
                    _fmt(t + timedelta(minutes=50)), _num(v), _num(v), unit, "", "", "", "ROUTINE", "")
         t += timedelta(hours=float(rng.choice([4, 6, 8, 12])))
     if rng.random() < 0.12:
         itemid = int(rng.choice(list(RARE_LABS)))
         _, unit, mu, sd, lo, hi, _ = RARE_LABS[itemid]
-        rt = intime + timedelta(hours=float(rng.uniform(0.5, max(total_h - 0.5, 0.6))))
+        rt = w.intime + timedelta(hours=float(rng.uniform(0.5, max(w.hours - 0.5, 0.6))))
         v = float(np.clip(rng.normal(mu, sd), lo, hi))
-        tb.add("hosp/labevents", next(ids["labevent"]), subject_id, hadm_id, int(next(ids["specimen"])), itemid,
-               "", _fmt(rt), _fmt(rt + timedelta(minutes=50)), _num(v), _num(v), unit, "", "", "abnormal",
+        tb.add("hosp/labevents", next(ids["labevent"]), w.subject_id, w.hadm_id, int(next(ids["specimen"])),
+               itemid, "", _fmt(rt), _fmt(rt + timedelta(minutes=50)), _num(v), _num(v), unit, "", "", "abnormal",
                "STAT", "")
 
-    t = intime + timedelta(hours=1)
-    while t < outtime:
-        v = float(max(0.0, rng.normal(80 - 50 * severity(t), 25)))
-        tb.add("icu/outputevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)), _fmt(t),
+
+def _fluids(tb, rng, w: _StayWindow, ids) -> None:
+    """Urine output through the stay and a few fluid boluses."""
+    t = w.intime + timedelta(hours=1)
+    while t < w.outtime:
+        v = float(max(0.0, rng.normal(80 - 50 * w.severity(t), 25)))
+        tb.add("icu/outputevents", w.subject_id, w.hadm_id, w.stay_id, int(rng.integers(1000, 9999)), _fmt(t),
                _fmt(t + timedelta(minutes=3)), 226559, _num(v), "mL")
         t += timedelta(hours=float(rng.choice([1, 2, 3])))
-    for k in range(int(rng.integers(1, 4))):
-        st = intime + timedelta(hours=float(rng.uniform(0, max(total_h - 1, 0.5))))
-        et = min(st + timedelta(hours=float(rng.uniform(0.5, 3))), outtime)
-        _input(tb, rng, subject_id, hadm_id, stay_id, st, et, 225158, float(rng.uniform(100, 1000)), "mL", ids)
+    for _ in range(int(rng.integers(1, 4))):
+        st = w.intime + timedelta(hours=float(rng.uniform(0, max(w.hours - 1, 0.5))))
+        et = min(st + timedelta(hours=float(rng.uniform(0.5, 3))), w.outtime)
+        _input(tb, rng, w.subject_id, w.hadm_id, w.stay_id, st, et, 225158, float(rng.uniform(100, 1000)), "mL",
+               ids)
 
-    if onset is not None:
-        # Deterioration: vasopressor start within 1-3 h of onset, ventilation in some, CRRT rarely.
-        vt = onset + timedelta(hours=float(rng.uniform(1, 3)))
-        if vt < outtime:
-            itemid = int(rng.choice(list(VASOPRESSORS), p=[0.7, 0.15, 0.15]))
-            _input(tb, rng, subject_id, hadm_id, stay_id, vt, outtime, itemid, float(rng.uniform(0.5, 8)),
-                   "mg", ids)
-        if rng.random() < 0.6:
-            it = onset + timedelta(hours=float(rng.uniform(0.5, 4)))
-            if it < outtime:
-                for itemid in (224385, 225792):
-                    end = outtime if itemid == 225792 else it + timedelta(minutes=1)
-                    dur = (end - it).total_seconds() / 60.0
-                    tb.add("icu/procedureevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)),
-                           _fmt(it), _fmt(end), _fmt(it + timedelta(minutes=10)), itemid, _num(dur), "min",
-                           "", "", next(ids["order"]), "", "Ventilation", "Task", "80", 0, "", "FinishedRunning",
-                           1, 1)
-        if rng.random() < 0.1:
-            ct = onset + timedelta(hours=2)
-            if ct < outtime:
-                dur = (outtime - ct).total_seconds() / 60.0
-                tb.add("icu/procedureevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)),
-                       _fmt(ct), _fmt(outtime), _fmt(ct + timedelta(minutes=10)), 225802, _num(dur), "min",
-                       "", "", next(ids["order"]), "", "Dialysis", "Task", "80", 0, "", "FinishedRunning", 1, 1)
-    return outtime, death
+
+def _procedure(tb, rng, w: _StayWindow, start, end, itemid, category, ids) -> None:
+    tb.add("icu/procedureevents", w.subject_id, w.hadm_id, w.stay_id, int(rng.integers(1000, 9999)), _fmt(start),
+           _fmt(end), _fmt(start + timedelta(minutes=10)), itemid, _num((end - start).total_seconds() / 60.0),
+           "min", "", "", next(ids["order"]), "", category, "Task", "80", 0, "", "FinishedRunning", 1, 1)
+
+
+def _deterioration(tb, rng, w: _StayWindow, ids) -> None:
+    """Vasopressor start within 1-3 h of onset, ventilation in some, CRRT rarely."""
+    vt = w.onset + timedelta(hours=float(rng.uniform(1, 3)))
+    if vt < w.outtime:
+        itemid = int(rng.choice(list(VASOPRESSORS), p=[0.7, 0.15, 0.15]))
+        _input(tb, rng, w.subject_id, w.hadm_id, w.stay_id, vt, w.outtime, itemid, float(rng.uniform(0.5, 8)),
+               "mg", ids)
+    if rng.random() < 0.6:
+        it = w.onset + timedelta(hours=float(rng.uniform(0.5, 4)))
+        if it < w.outtime:
+            for itemid in (224385, 225792):
+                _procedure(tb, rng, w, it, w.outtime if itemid == 225792 else it + timedelta(minutes=1), itemid,
+                           "Ventilation", ids)
+    if rng.random() < 0.1:
+        ct = w.onset + timedelta(hours=2)
+        if ct < w.outtime:
+            _procedure(tb, rng, w, ct, w.outtime, 225802, "Dialysis", ids)
 
 
 def _input(tb, rng, subject_id, hadm_id, stay_id, st, et, itemid, amount, unit, ids):
@@ -208,7 +225,7 @@ def _input(tb, rng, subject_id, hadm_id, stay_id, st, et, itemid, amount, unit, 
            unit, 0, 0, "FinishedRunning", _num(amount), _num(amount / hours))
 
 
-def generate(out_dir, config=GeneratorConfig()):
+def generate(out_dir: Path, config: GeneratorConfig = GeneratorConfig()) -> Path:
     """Write the MIMIC-IV-shaped directory into ``out_dir``; returns its path."""
     out = Path(out_dir)
     rng = np.random.default_rng(config.seed)

@@ -8,10 +8,16 @@ key = [ code embedding (CODE_DIM) * CODE_SCALE | standardised value, has-value f
   flag 0 when the event has no numeric value (or the code had none in training);
 * time: hours since the stay's start / 24, and the hour of day on the unit circle (sin, cos).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import hashlib
 
 import numpy as np
 import polars as pl
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 CODE_DIM = 8
 CODE_SCALE = 1.0
@@ -19,7 +25,7 @@ CLIP = 5.0
 KEY_DIM = CODE_DIM + 2 + 3
 
 
-def code_embedding(code):
+def code_embedding(code: str) -> np.ndarray:
     seed = int.from_bytes(hashlib.sha256(code.encode()).digest()[:8], "little")
     v = np.random.default_rng(seed).standard_normal(CODE_DIM)
     return CODE_SCALE * v / np.linalg.norm(v)
@@ -28,7 +34,7 @@ def code_embedding(code):
 class EventKeyer:
     """Fit per-code value statistics on training events, then map events to keys (``transform``)."""
 
-    def fit(self, train_events):
+    def fit(self, train_events: pl.DataFrame) -> EventKeyer:
         stats = (train_events.filter(pl.col("numeric_value").is_not_null())
                  .group_by("code").agg(pl.col("numeric_value").mean().alias("mean"),
                                        pl.col("numeric_value").std().alias("sd")))
@@ -37,16 +43,16 @@ class EventKeyer:
             .alias("sd"))
         return self
 
-    def save(self, path):
+    def save(self, path: Path) -> None:
         self.stats_.write_parquet(path)
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: Path) -> EventKeyer:
         k = cls()
         k.stats_ = pl.read_parquet(path)
         return k
 
-    def transform(self, events):
+    def transform(self, events: pl.DataFrame) -> np.ndarray:
         """(n, KEY_DIM) float64 keys of ``events`` (columns code, numeric_value, time, hour)."""
         ev = events.select("code", "numeric_value", "time", "hour").join(self.stats_, on="code", how="left",
                                                                            maintain_order="left")

@@ -1,9 +1,15 @@
 """An exclusive lock on a workspace, shared by scheduled runs and deletions (fcntl.flock on ROOT/.lock)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import fcntl
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 class WorkspaceLocked(RuntimeError):
@@ -11,7 +17,7 @@ class WorkspaceLocked(RuntimeError):
 
 
 @contextmanager
-def workspace_lock(root, wait_seconds=0.0, purpose=""):
+def workspace_lock(root: Path, wait_seconds: float = 0.0, purpose: str = "") -> Iterator:
     """Hold the workspace's lock; wait up to ``wait_seconds`` for it, then refuse with WorkspaceLocked."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,18 @@ reverse a hash by enumerating ids. The store records the key's fingerprint (an H
 not reveal the key), so a run or deletion under a different key is refused instead of silently failing to
 recognise deleted patients.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import hashlib
 import hmac
 import json
 import os
 import secrets
 from pathlib import Path
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 KEY_ENV = "FORGETFUL_HASH_KEY"
 KEY_FILE_ENV = "FORGETFUL_HASH_KEY_FILE"
@@ -26,16 +32,16 @@ class HashKeyError(ValueError):
     """No usable hash key, a key kept inside the workspace, or a key other than the store's."""
 
 
-def keyed_hash(value, key: bytes) -> str:
+def keyed_hash(value: int | str, key: bytes) -> str:
     return hmac.new(key, str(value).encode(), hashlib.sha256).hexdigest()
 
 
-def subject_ref(subject_id, key: bytes) -> str:
+def subject_ref(subject_id: int, key: bytes) -> str:
     """The opaque owner reference of a patient's tokens in the memories (a prefix of their keyed hash)."""
     return keyed_hash(int(subject_id), key)[:32]
 
 
-def load_key(workspace=None) -> bytes:
+def load_key(workspace: Path | str | None = None) -> bytes:
     """The hash key from the environment; ``workspace``: refuse a key file inside it."""
     if os.environ.get(KEY_ENV):
         return os.environ[KEY_ENV].encode()
@@ -59,7 +65,7 @@ def load_key(workspace=None) -> bytes:
     return key.encode()
 
 
-def write_secret_file(path, data: bytes) -> Path:
+def write_secret_file(path: Path, data: bytes) -> Path:
     """``data`` in a new file readable by its owner only. Raises FileExistsError rather than overwrite a key
     (what it recognises or signs would be lost)."""
     p = Path(path).expanduser()
@@ -70,7 +76,7 @@ def write_secret_file(path, data: bytes) -> Path:
     return p
 
 
-def write_new_key(path) -> Path:
+def write_new_key(path: Path) -> Path:
     """A fresh 256-bit key in a new owner-only file; never overwrites one."""
     try:
         return write_secret_file(path, (secrets.token_hex(32) + "\n").encode())
@@ -83,7 +89,7 @@ def fingerprint(key: bytes) -> str:
     return hmac.new(key, b"forgetful hash-key fingerprint v1", hashlib.sha256).hexdigest()[:32]
 
 
-def check_key(store, key: bytes) -> None:
+def check_key(store: Path, key: bytes) -> None:
     """Refuse a key other than the one ``store`` was built with; record the key's fingerprint on first use."""
     store = Path(store)
     f = store / FINGERPRINT_FILE
@@ -99,20 +105,20 @@ def check_key(store, key: bytes) -> None:
         os.replace(tmp, f)
 
 
-def store_key(store, workspace=None) -> bytes:
+def store_key(store: Path, workspace: Path | None = None) -> bytes:
     """The hash key, checked against the store's fingerprint."""
     key = load_key(workspace)
     check_key(store, key)
     return key
 
 
-def suppressed_hashes(store) -> set[str]:
+def suppressed_hashes(store: Path) -> set[str]:
     """Keyed hashes of the deleted subjects of ``store``."""
     f = Path(store) / SUPPRESSED_FILE
     return set(json.loads(f.read_text())) if f.exists() else set()
 
 
-def suppression(store, key: bytes):
+def suppression(store: Path, key: bytes) -> Callable:
     """A callable: was this subject id deleted from ``store``?"""
     hashes = suppressed_hashes(store)
     return lambda subject_id: keyed_hash(int(subject_id), key) in hashes

@@ -6,6 +6,7 @@ each step checks what is already done. ``recover(root)`` therefore rolls a commi
 discards an uncommitted one, so a crash at any point leaves the full old state or, after recovery, the full
 new state.
 """
+from __future__ import annotations
 import json
 import os
 import shutil
@@ -24,14 +25,14 @@ def _crash_point(step):
 
 
 class Transaction:
-    def __init__(self, root, name=None):
+    def __init__(self, root: Path, name: str | None = None):
         self.root = Path(root)
         self.name = name or uuid.uuid4().hex
         self.dir = self.root / TXN_DIR / self.name
         self.dir.mkdir(parents=True, exist_ok=False)
         self.ops = []
 
-    def stage(self, final_path):
+    def stage(self, final_path: Path) -> Path:
         """A path to write the new version of ``final_path`` to; it replaces the final path on commit."""
         final = Path(final_path)
         staged = self.dir / f"{len(self.ops):05d}-{final.name}"
@@ -39,22 +40,22 @@ class Transaction:
                          "final": str(final.resolve().relative_to(self.root.resolve()))})
         return staged
 
-    def delete(self, final_path):
+    def delete(self, final_path: Path) -> None:
         final = Path(final_path)
         self.ops.append({"op": "delete", "final": str(final.resolve().relative_to(self.root.resolve()))})
 
-    def commit(self):
+    def commit(self) -> None:
         tmp = self.dir / "journal.json.tmp"
         tmp.write_text(json.dumps({"ops": self.ops}))
         os.replace(tmp, self.dir / "journal.json")
         _crash_point("journal_written")
         apply_journal(self.root, self.dir)
 
-    def abort(self):
+    def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def apply_journal(root, txn_dir):
+def apply_journal(root: Path, txn_dir: Path) -> None:
     root, txn_dir = Path(root), Path(txn_dir)
     ops = json.loads((txn_dir / "journal.json").read_text())["ops"]
     for i, op in enumerate(ops):
@@ -75,7 +76,7 @@ def apply_journal(root, txn_dir):
     shutil.rmtree(txn_dir)
 
 
-def recover(root):
+def recover(root: Path) -> tuple:
     """Finish committed transactions and discard uncommitted ones; returns (rolled_forward, rolled_back)."""
     base = Path(root) / TXN_DIR
     forward, back = [], []
@@ -91,13 +92,13 @@ def recover(root):
     return forward, back
 
 
-def pending(root) -> bool:
+def pending(root: Path) -> bool:
     """Is a change of the workspace staged or half-applied (a crash left it)?"""
     base = Path(root) / TXN_DIR
     return base.exists() and any(p.is_dir() for p in base.iterdir())
 
 
-def settle(root, wait_seconds=60.0) -> None:
+def settle(root: Path, wait_seconds: float = 60.0) -> None:
     """Every entry point that reads a workspace calls this first: a change a crash interrupted is finished or
     undone, under the workspace lock, before anything is read (a running change holds the lock: we wait)."""
     if pending(root):

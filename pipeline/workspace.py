@@ -1,4 +1,5 @@
 """Where a Forgetful deployment keeps everything (one folder, the ``--out`` of the CLI)."""
+from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +26,17 @@ class Workspace:
     certificates = property(lambda self: self.root / "certificates")
     generation_file = property(lambda self: self.store / "generation.json")
 
-    def stay_memory(self, stay_id, key):
+    def stay_memory(self, stay_id: int, key: bytes) -> Path:
         """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""
         return self.stay_memories / f"{keyed_hash(f'stay:{stay_id}', key)[:32]}.npz"
 
-    def checkpoints(self):
+    def checkpoints(self) -> list:
         """Cohort-memory checkpoints, oldest first."""
         d = self.cohort_checkpoints
         return sorted((p for p in d.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
                       key=lambda p: p.name) if d.exists() else []
 
-    def generation(self):
+    def generation(self) -> int:
         """Bumped by every deletion: part of every cache key over the store's content."""
         f = self.generation_file
         return json.loads(f.read_text())["generation"] if f.exists() else 0

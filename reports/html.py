@@ -2,6 +2,7 @@
 
 Aggregates only: the report and its JSON hold no subject or stay identifiers.
 """
+from __future__ import annotations
 import dataclasses
 import html
 import json
@@ -296,7 +297,7 @@ def _jsonable(o):
     return dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
 
 
-def render_report(result, out_dir):
+def render_report(result: dict, out_dir: Path | str) -> Path:
     """Write report.html and report.json into ``out_dir``; returns the HTML path.
 
     ``result``: dict with summary and paired (rows of :func:`cohorts.evaluation.aggregate`), cohort, metadata.
