@@ -13,6 +13,7 @@ import polars as pl
 from pipeline.extract import quarantine_reasons
 
 from .definitions import deterioration_hours
+from .predicates import code_expr, describe_codes
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -112,14 +113,14 @@ def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, events: pl.Dat
     """Table 1 of the cohort. ``events``: the cohort's stay events (:func:`cohorts.definitions.stay_events`);
     ``labelled``: its labelled hourly tokens (:func:`cohorts.tokens.label_tokens`), None in events mode."""
     death_codes = cfg["cohort"].get("death_codes", ["DEATH"])
-    deaths = events.filter(pl.col("code").is_in(death_codes))["stay_id"].unique()
+    deaths = events.filter(code_expr(death_codes))["stay_id"].unique()
     rows = _demographics(cohort, deaths)
     if labelled is not None:
         rows += _token_rows(labelled, [n for n in (cfg.get("token_labels") or {}) if n in labelled.columns])
     notes = ("unit: the ICU stay of an adult (anchor_age >= {min_age}) lasting at least {min_hours} h; "
              "median [interquartile range] or n (%)".format(min_age=cfg["cohort"]["min_age"],
                                                             min_hours=cfg["cohort"]["min_stay_hours"]),
-             f"ICU mortality: a death code ({', '.join(death_codes)}) dated inside the stay's window",
+             f"ICU mortality: a death code ({describe_codes(death_codes)}) dated inside the stay's window",
              "age: MIMIC-IV anchor_age (ages above 89 are shifted to 91 in the source)",
              "quarantined rows: every row of the store the extraction rejected, by its rule (all patients)")
     return CohortTable(tuple(rows), tuple(_criterion_rows(cohort, events, cfg)), quarantine_reasons(store), notes)

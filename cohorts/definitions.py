@@ -1,5 +1,6 @@
 """Cohort, deterioration hours, rare items and the subject-level split, from a declarative YAML config."""
 from __future__ import annotations
+
 import hashlib
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import polars as pl
 import yaml
 
 from pipeline.extract import scan_events
+
+from .predicates import PredicateError, code_expr, code_spec, has_value_bounds, value_expr
 
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
 
@@ -23,15 +26,28 @@ def load_config(path: Path | None = None) -> dict | None:
             if k not in (cfg.get(section) or {}):
                 raise CohortConfigError(f"cohort config {path or DEFAULT_CONFIG} lacks {section}.{k}")
     for c in cfg["deterioration"]["criteria"]:
-        rules = [k for k in ("below", "above", "first_event", "sofa_rise") if k in c]
-        if len(rules) != 1 or not c.get("codes"):
-            raise CohortConfigError(f"criterion {c.get('name')!r} needs codes and exactly one of below/above/"
-                                    f"first_event/sofa_rise")
-        if "sofa_rise" in c and not (c.get("components") and c.get("window_hours")):
-            raise CohortConfigError(f"criterion {c.get('name')!r} (sofa_rise) needs components and window_hours")
+        where = f"criterion {c.get('name')!r}"
+        rules = [k for k in ("first_event", "sofa_rise") if k in c] + (["value bounds"] if has_value_bounds(c) else [])
+        if len(rules) != 1:
+            raise CohortConfigError(f"{where} needs exactly one rule: value bounds (below/above or value_min/"
+                                    f"value_max), first_event or sofa_rise")
+        _checked_codes(c, where)
+        if "sofa_rise" in c:
+            if not (c.get("components") and c.get("window_hours")):
+                raise CohortConfigError(f"{where} (sofa_rise) needs components and window_hours")
+            for name, comp in c["components"].items():
+                _checked_codes(comp, f"{where}, component {name!r}")
+    _checked_codes({"codes": cfg["cohort"].get("death_codes", ["DEATH"])}, "cohort.death_codes")
     if not 0.0 <= cfg["split"]["eval_fraction"] <= 1.0:
         raise CohortConfigError("split.eval_fraction must lie in [0, 1]")
     return cfg
+
+
+def _checked_codes(entry: dict, where: str) -> None:
+    try:
+        code_spec(entry, where)
+    except PredicateError as e:
+        raise CohortConfigError(str(e)) from None
 
 
 WORKSPACE_CONFIG = "config.yaml"
@@ -113,11 +129,9 @@ def deterioration_hours(events: pl.DataFrame, cfg: dict) -> pl.DataFrame:
     """(stay_id, hour, criterion) rows: the hours in which each criterion fires."""
     frames = []
     for c in cfg["deterioration"]["criteria"]:
-        sel = events.filter(pl.col("code").is_in(c["codes"]))
-        if "below" in c:
-            sel = sel.filter(pl.col("numeric_value") < c["below"])
-        elif "above" in c:
-            sel = sel.filter(pl.col("numeric_value") > c["above"])
+        sel = events.filter(code_expr(code_spec(c, c["name"])))
+        if has_value_bounds(c):
+            sel = sel.filter(value_expr(c))
         elif "sofa_rise" in c:
             sel = _sofa_rise_hours(events, c)
         else:
@@ -144,7 +158,7 @@ def hourly_sofa(events: pl.DataFrame, c: dict) -> pl.DataFrame:
     w = int(c["window_hours"])
     parts = []
     for name, comp in c["components"].items():
-        sel = events.filter(pl.col("code").is_in(comp["codes"]))
+        sel = events.filter(code_expr(code_spec(comp, name)))
         if "any_event_scores" not in comp:
             sel = sel.filter(pl.col("numeric_value").is_not_null())
         parts.append(sel.select("stay_id", "hour", _component_points(pl.col("numeric_value"), comp)

@@ -5,22 +5,25 @@ aggregates or paths, so the flows that compose them carry no patient-level data 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import json
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
+from meds import held_out_split, train_split
 
 from memory.cohort import CohortMemory, history_digest
 from memory.encoder import EventEncoder, train_encoder
+from pipeline.extract import scan_events
 from pipeline.keys import EventKeyer
+from pipeline.meds import subject_splits_path, write_label_file, write_subject_splits
 from pipeline.privacy import store_key
 
 from .characteristics import describe_cohort
-from .definitions import build_cohort, stay_events, workspace_config
+from .definitions import build_cohort, is_eval_subject, stay_events, workspace_config
 from .encoder_data import training_windows
 from .protocols import StreamingSettings, choose_streaming_settings, token_streams
 from .provenance import code_version
@@ -147,13 +150,18 @@ def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 1
             "history": history}
 
 
-def prepare_token_streams(store: Path, cfg: dict) -> tuple[list, StreamingSettings, dict]:
+def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None) -> tuple[list, StreamingSettings,
+                                                                                        dict]:
     """Hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
-    the training split, and the cohort's summary (aggregates only)."""
+    the training split, and the cohort's summary (aggregates only). With ``labels_dir``, the token labels are
+    also written there as MEDS label files and the subject-level split into the store's MEDS metadata."""
     cohort = build_cohort(store, cfg)
     events = stay_events(store, cohort)
     table = build_tokens(store, cfg, cohort=cohort)
     labelled = label_tokens(table, store, cfg, cohort=cohort, events=events)
+    if labels_dir is not None:
+        write_meds_labels(labelled, cohort, cfg, table.bin_hours, labels_dir)
+        write_subject_splits(subject_splits_path(store), subject_splits(store, cfg))
     evaluation = token_streams(labelled, table, cfg, split="eval")
     settings = choose_streaming_settings(token_streams(labelled, table, cfg, split="train"),
                                          cfg["protocols"]["streaming"])
@@ -168,6 +176,33 @@ def prepare_token_streams(store: Path, cfg: dict) -> tuple[list, StreamingSettin
         summary[f"eval_stays_with_{name}"] = int(ev.group_by("stay_id").agg(pl.col(name).any())[name].sum())
     summary["characteristics"] = describe_cohort(store, cfg, cohort, events, labelled)
     return evaluation, settings, summary
+
+
+def write_meds_labels(labelled: pl.DataFrame, cohort: pl.DataFrame, cfg: dict, bin_hours: float,
+                      labels_dir: Path) -> list[Path]:
+    """One MEDS label file per token label (``meds.LabelSchema``): each token's label at the end of its bin, the
+    last moment whose data the token summarises (MEDS: data up to and including prediction_time may be used)."""
+    ends = (labelled.join(cohort.select("stay_id", "intime"), on="stay_id")
+            .with_columns((pl.col("intime") + pl.duration(
+                microseconds=((pl.col("hour") + 1) * round(bin_hours * 3_600_000_000)))).alias("prediction_time")))
+    labels_dir = Path(labels_dir)
+    labels_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in label_specs(cfg):
+        path = labels_dir / f"{name}.parquet"
+        write_label_file(ends.select("subject_id", "prediction_time", pl.col(name).alias("boolean_value")), path)
+        written.append(path)
+    for stale in set(labels_dir.glob("*.parquet")) - set(written):     # a label the config no longer has
+        stale.unlink()
+    return written
+
+
+def subject_splits(store: Path, cfg: dict) -> pl.DataFrame:
+    """Every subject of the store in the config's subject-level split, named as MEDS names splits."""
+    subjects = scan_events(store).select("subject_id").unique().collect()["subject_id"].to_list()
+    return pl.DataFrame({"subject_id": subjects,
+                         "split": [held_out_split if is_eval_subject(s, cfg) else train_split for s in subjects]},
+                        schema={"subject_id": pl.Int64, "split": pl.String})
 
 
 def stay_memory_paths(ws: Workspace, stay_ids: list) -> list[str]:
@@ -188,7 +223,7 @@ def workspace_event_streams(ws: Workspace, max_events: int | None = None) -> tup
 
 def workspace_token_streams(ws: Workspace) -> tuple[list, StreamingSettings, dict]:
     """:func:`prepare_token_streams` over a workspace, each stream with its per-stay memory's path."""
-    streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root))
+    streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root), labels_dir=ws.labels)
     for s, path in zip(streams, stay_memory_paths(ws, [s.stay_id for s in streams])):
         s.memory_path = path
     return streams, settings, cohort

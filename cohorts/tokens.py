@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.extract import scan_events
+from pipeline.extract import scan_events, store_codes
 
 from .definitions import CohortConfigError, build_cohort, label_events, stay_events
+from .predicates import PredicateError, code_spec, matching_codes
 
 # name -> (scale, offset): unit = raw * scale + offset
 CONVERSIONS = {"fahrenheit_to_celsius": (5.0 / 9.0, -32.0 * 5.0 / 9.0)}
@@ -36,7 +37,7 @@ KEYSET_ALL = "all_channels"
 class Channel:
     """One token channel: the codes that measure it, their conversions and its plausible range."""
     name: str
-    codes: tuple[str, ...]
+    codes: tuple  # exact codes and {regex: ...} patterns (cohorts.predicates)
     lo: float
     hi: float
     convert: dict = field(default_factory=dict)   # code -> (scale, offset)
@@ -48,8 +49,12 @@ def channels_from_config(cfg: dict) -> list[Channel]:
         raise CohortConfigError("cohort config lacks tokens.channels (needed for hourly tokens)")
     out = []
     for c in spec["channels"]:
-        if not c.get("name") or not c.get("codes") or len(c.get("plausible") or ()) != 2:
+        if not c.get("name") or len(c.get("plausible") or ()) != 2:
             raise CohortConfigError(f"token channel {c.get('name')!r} needs name, codes and plausible: [lo, hi]")
+        try:
+            spec = code_spec(c, f"token channel {c['name']!r}")
+        except PredicateError as e:
+            raise CohortConfigError(str(e)) from None
         conv = {}
         for code, how in (c.get("convert") or {}).items():
             if isinstance(how, str):
@@ -60,7 +65,7 @@ def channels_from_config(cfg: dict) -> list[Channel]:
             else:
                 conv[code] = (float(how["scale"]), float(how.get("offset", 0.0)))
         lo, hi = (float(v) for v in c["plausible"])
-        out.append(Channel(c["name"], tuple(c["codes"]), lo, hi, conv))
+        out.append(Channel(c["name"], tuple(spec) if isinstance(spec, list) else (spec,), lo, hi, conv))
     return out
 
 
@@ -128,9 +133,11 @@ class TokenTable:
 
 
 def _readings(store, cohort: pl.DataFrame, channels: list[Channel], hours_per_bin: float) -> pl.LazyFrame:
+    # Patterns become the store's codes they match, so readings join on exact codes.
+    vocabulary = store_codes(store)
     spec = pl.DataFrame([{"code": code, "channel": ch.name, "scale": ch.convert.get(code, (1.0, 0.0))[0],
                           "offset": ch.convert.get(code, (1.0, 0.0))[1], "lo": ch.lo, "hi": ch.hi}
-                         for ch in channels for code in ch.codes])
+                         for ch in channels for code in matching_codes(list(ch.codes), vocabulary)])
     win = cohort.select("stay_id", "intime", "outtime").lazy()
     seconds = (pl.col("time") - pl.col("intime")).dt.total_seconds()
     return (scan_events(store).filter(pl.col("code").is_in(spec["code"].implode()) &

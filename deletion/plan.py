@@ -2,14 +2,15 @@
 of them, or that they were deleted before."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import json
+from typing import TYPE_CHECKING
 
 import polars as pl
 
 from memory.cohort import CohortMemory
 from pipeline.evidence import read_log
-from pipeline.extract import N_BUCKETS, UnknownSubjectError
+from pipeline.extract import UnknownSubjectError
+from pipeline.meds import shard_files, shard_of
 from pipeline.privacy import keyed_hash, store_key, subject_ref, suppressed_hashes
 
 if TYPE_CHECKING:
@@ -33,10 +34,9 @@ def scan_subject(ws: Workspace, subject_id: int) -> tuple:
     """Everything of the subject still present: counts per place (all zero after a deletion)."""
     sid = int(subject_id)
     found = {}
-    bucket = ws.store / "events" / f"bucket={sid % N_BUCKETS}"
-    files = sorted(bucket.glob("*.parquet")) if bucket.exists() else []
-    found["events"] = pl.scan_parquet(files).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item() \
-        if files else 0
+    shard = shard_of(ws.store, sid)
+    found["events"] = pl.scan_parquet(shard).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item() \
+        if shard.exists() else 0
     qfiles = sorted((ws.store / "quarantine").glob("*.parquet"))
     found["quarantine"] = pl.scan_parquet(qfiles).filter(pl.col("subject_id") == sid).select(pl.len()).collect() \
         .item() if qfiles else 0
@@ -93,7 +93,7 @@ def resolve_subject(ws: Workspace, subject_hash: str) -> int:
         raise UnknownSubjectError(f"workspace {ws.root} has no event store")
     key = store_key(ws.store, ws.root)
     frames = [pl.scan_parquet(f).select("subject_id") for f in
-              [ws.store / "stays.parquet", *sorted((ws.store / "events").glob("*/*.parquet")),
+              [ws.store / "stays.parquet", *shard_files(ws.store),
                *sorted((ws.store / "quarantine").glob("*.parquet"))] if f.exists()]
     ids = pl.concat(frames).unique().collect()["subject_id"].drop_nulls().to_list() if frames else []
     match = [s for s in ids if keyed_hash(int(s), key) == subject_hash]

@@ -1,22 +1,23 @@
 """Step: scan the workspace as it will be after commit (staged files, plus unchanged ones) for the subject."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
 from memory.cohort import CohortMemory, owner_of
+from pipeline.meds import shard_files, subject_splits_path
 
 from .plan import owner
-from .store import bucket_of, read_source, source_files
+from .store import label_files, read_source, source_files
 
 if TYPE_CHECKING:
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
 
-SCANNED = ["events", "quarantine", "stays", "per_stay_results", "cohort_memory_checkpoints", "per_stay_memories",
-           "generated_source", "extraction_scratch"]
+SCANNED = ["events", "quarantine", "stays", "per_stay_results", "labels", "cohort_memory_checkpoints",
+           "per_stay_memories", "generated_source", "extraction_scratch"]
 
 
 def _rows_in(path, sid) -> int:
@@ -27,14 +28,11 @@ def residual_scan(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
     deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
     rows, ref = sum(1 for p in stay_files if str(p) not in deleted), owner(ws, sid)
-    for f in [*(ws.store / "events").glob("*/*.parquet"), *(ws.store / "quarantine").glob("*.parquet"),
-              ws.store / "stays.parquet", ws.results]:
+    for f in [*shard_files(ws.store), *(ws.store / "quarantine").glob("*.parquet"), ws.store / "stays.parquet",
+              ws.results, *label_files(ws), subject_splits_path(ws.store)]:
         if str(f) not in deleted and f.exists():
             rows += _rows_in(staged.get(str(f), f), sid)
-    bucket = bucket_of(ws, sid)
     for final, src in staged.items():
-        if final.endswith(".parquet") and Path(final).parent == bucket:     # the rewritten bucket file
-            rows += _rows_in(src, sid)
         if Path(src).is_dir() and (Path(src) / "memory.npz").exists():
             rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if owner_of(t) == ref)
     for c in ws.checkpoints():

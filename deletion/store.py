@@ -1,17 +1,18 @@
 """Step: the event store and the workspace's files without the subject, staged in the deletion's transaction."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import gzip
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
-from pipeline.extract import N_BUCKETS
+from pipeline.meds import (codes_metadata_path, read_codes_metadata, shard_files, shard_of, subject_splits_path,
+                           write_codes_metadata, write_frame_shard, write_label_file, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
 
 if TYPE_CHECKING:
-    from pathlib import Path
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
 
@@ -20,24 +21,20 @@ def write_staged_parquet(txn: Transaction, frame: pl.DataFrame, final: Path) -> 
     frame.write_parquet(txn.stage(final))
 
 
-def bucket_of(ws: Workspace, sid: int) -> Path:
-    return ws.store / "events" / f"bucket={sid % N_BUCKETS}"
-
-
 def _events(ws, txn, sid) -> tuple[dict, pl.DataFrame | None]:
-    """The subject's bucket rewritten without them: (removed events per table, the rows kept)."""
-    bucket = bucket_of(ws, sid)
-    files = sorted(bucket.glob("*.parquet"))
-    if not files:
+    """The subject's shard rewritten without them (a valid MEDS shard: sorted, MEDS types): (removed events per
+    table, the rows kept)."""
+    shard = shard_of(ws.store, sid)
+    if not shard.exists():
         return {}, None
-    ev = pl.read_parquet(files, hive_partitioning=False)
+    ev = pl.read_parquet(shard)
     mine = ev.filter(pl.col("subject_id") == sid)
     removed = {r["source_table"]: int(r["len"]) for r in mine.group_by("source_table").len().iter_rows(named=True)}
-    keep = ev.filter(pl.col("subject_id") != sid).sort(["subject_id", "time", "code", "event_hash", "occurrence"])
-    for f in files:
-        txn.delete(f)
+    keep = ev.filter(pl.col("subject_id") != sid)
     if keep.height:
-        write_staged_parquet(txn, keep, bucket / f"deletion-{txn.name}.parquet")
+        write_frame_shard(keep, txn.stage(shard))
+    else:
+        txn.delete(shard)
     return removed, keep
 
 
@@ -53,19 +50,36 @@ def _quarantine(ws, txn, sid) -> int:
 
 
 def _codes(ws, txn, sid, keep) -> None:
-    """Recount codes.parquet over the store as it will be (descriptions kept)."""
-    bucket = bucket_of(ws, sid)
-    other = [f for f in (ws.store / "events").glob("*/*.parquet") if f.parent != bucket]
-    counts = [pl.scan_parquet(other, hive_partitioning=False).select("code", "source_table")] if other else []
+    """Recount the codes metadata over the store as it will be (descriptions and parent codes kept; a code
+    only the subject had leaves it)."""
+    shard = shard_of(ws.store, sid)
+    other = [f for f in shard_files(ws.store) if f != shard]
+    counts = [pl.scan_parquet(other).select("code", "source_table")] if other else []
     if keep is not None and keep.height:
         counts.append(keep.lazy().select("code", "source_table"))
-    if not counts or not (ws.store / "codes.parquet").exists():
+    old = read_codes_metadata(ws.store)
+    if not counts or old is None:
         return
-    old = pl.read_parquet(ws.store / "codes.parquet")
     new = pl.concat(counts).group_by("code").agg(pl.col("source_table").first(), pl.len().alias("count")).collect()
-    if "description" in old.columns:
-        new = new.join(old.select("code", "description"), on="code", how="left")
-    write_staged_parquet(txn, new.sort("code"), ws.store / "codes.parquet")
+    new = new.join(old.select("code", "description", "parent_codes"), on="code", how="left")
+    write_codes_metadata(txn.stage(codes_metadata_path(ws.store)), new)
+
+
+def label_files(ws: Workspace) -> list[Path]:
+    """The runs' MEDS label files (they name subjects by their raw id, as MEDS does)."""
+    return sorted(ws.labels.glob("*.parquet")) if ws.labels.exists() else []
+
+
+def _labels(ws, txn, sid) -> int:
+    """The label files rewritten without the subject; the rows removed."""
+    removed = 0
+    for f in label_files(ws):
+        frame = pl.read_parquet(f)
+        n = frame.filter(pl.col("subject_id") == sid).height
+        if n:
+            removed += n
+            write_label_file(frame.filter(pl.col("subject_id") != sid), txn.stage(f))
+    return removed
 
 
 def source_files(ws: Workspace) -> list:
@@ -94,7 +108,7 @@ def _source(ws, txn, sid) -> int:
 
 
 def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) -> dict:
-    """Events, quarantine, generated source, stays and code counts without the subject; the subject's hash on
+    """Events, quarantine, generated source, stays, code counts and split without the subject; the subject's hash on
     the suppression list; the store's generation bumped (no cache over the old content is reused)."""
     removed = {}
     removed["events_by_table"], keep = _events(ws, txn, sid)
@@ -106,6 +120,10 @@ def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) 
     removed["stays"] = stays.filter(pl.col("subject_id") == sid).height
     write_staged_parquet(txn, stays.filter(pl.col("subject_id") != sid), ws.store / "stays.parquet")
     _codes(ws, txn, sid, keep)
+    splits = subject_splits_path(ws.store)
+    if splits.exists():
+        frame = pl.read_parquet(splits)
+        write_subject_splits(txn.stage(splits), frame.filter(pl.col("subject_id") != sid))
     txn.stage(ws.store / SUPPRESSED_FILE).write_text(json.dumps(sorted(suppressed_hashes(ws.store) | {subject_hash})))
     txn.stage(ws.generation_file).write_text(json.dumps({"generation": ws.generation() + 1}))
     return removed
@@ -114,7 +132,7 @@ def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) 
 def remove_stay_artifacts(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -> dict:
     """Per-stay results and memories (they hold only this patient); the learned-key encoder, trained on the
     training split and so possibly on this patient (the next run retrains it)."""
-    removed = {}
+    removed = {"label_rows": _labels(ws, txn, sid)}
     if ws.results.exists():
         res = pl.read_parquet(ws.results)
         removed["per_stay_result_rows"] = res.filter(pl.col("subject_id") == sid).height

@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verbose", action="store_true", help="show Prefect's per-task log lines on the console")
     sub = ap.add_subparsers(dest="cmd", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    ex = sub.add_parser("extract", help="extract a MIMIC-IV directory into a parquet event store", formatter_class=fmt)
-    ex.add_argument("--source", required=True, help="MIMIC-IV directory (hosp/, icu/)")
+    ex = sub.add_parser("extract", help="extract a MIMIC-IV directory or a MEDS dataset into the event store (itself "
+                                        "a MEDS dataset)", formatter_class=fmt)
+    ex.add_argument("--source", required=True, help="MIMIC-IV directory (hosp/, icu/) or MEDS dataset "
+                                                    "(metadata/dataset.json, data/)")
+    ex.add_argument("--config", default=None, help="cohort config whose meds_source section says how a MEDS "
+                                                   "source's ICU stays are read (default: the ETL's conventions)")
     ex.add_argument("--out", required=True, help="event store folder (created or updated incrementally)")
     ex.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (spills to disk past it)")
     for name, help_ in (("run", "main job: ingest -> both protocols -> cohort memory -> HTML report"),
@@ -47,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, formatter_class=fmt)
         p.add_argument("--out", default="out", help="workspace folder")
         p.add_argument("--source", default=None,
-                       help="MIMIC-IV directory (default: the embedded deterministic MIMIC-IV-shaped data)")
+                       help="MIMIC-IV directory or MEDS dataset (default: the embedded deterministic "
+                            "MIMIC-IV-shaped data)")
         p.add_argument("--config", default=None,
-                       help="cohort config: a shipped name (default) or a YAML path; it becomes the workspace's "
-                            "(default: the workspace's own, else the shipped default)")
+                       help="cohort config: a shipped name (default, mimic-iv-meds) or a YAML path; it becomes the "
+                            "workspace's (default: the workspace's own, else the shipped default)")
         p.add_argument("--tokens", choices=("hourly", "events"), default="hourly",
                        help="stream hourly patient-state tokens or raw events")
         p.add_argument("--budgets", type=_budgets, default=DEFAULT_BUDGETS,
@@ -145,14 +150,18 @@ def _keygen(args):
 def _extract(args):
     from contextlib import nullcontext
 
+    from cohorts.definitions import load_config, resolve_config
     from pipeline.extract import extract
     from pipeline.locking import workspace_lock
+    from pipeline.meds import MedsStayCodes
     from pipeline.privacy import load_key
     ws = Path(args.out).resolve().parent
+    stay_codes = MedsStayCodes.from_config(load_config(resolve_config(args.config)) if args.config else None)
     # a store inside a workspace is written under the workspace's lock, as runs and deletions write it
     in_ws = (ws / ".lock").exists() or (ws / "ledger.jsonl").exists()
     with workspace_lock(ws, wait_seconds=60, purpose="extraction") if in_ws else nullcontext():
-        s = extract(args.source, args.out, key=load_key(ws if in_ws else args.out), memory_limit=args.memory_limit)
+        s = extract(args.source, args.out, key=load_key(ws if in_ws else args.out), memory_limit=args.memory_limit,
+                    stay_codes=stay_codes)
     print(json.dumps({"new_events": s.new_events, "total_events": s.total_events,
                       "quarantined": {t: v.get("quarantined", {}) for t, v in s.tables.items()}}, indent=1))
     return 0

@@ -31,6 +31,7 @@ from flows import progress  # absolute: Prefect loads this file by path as a dep
 from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
+from pipeline.meds import MedsStayCodes
 from pipeline.privacy import load_key
 from pipeline.transaction import recover
 from pipeline.workspace import Workspace
@@ -102,7 +103,8 @@ def retry_unless_bad_input(task: Task, task_run: TaskRun, state: State) -> bool:
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def extract_task(source: str, store: str, root: str, memory_limit: str = "4GB") -> dict:
-    s = extract(source, store, key=load_key(root), memory_limit=memory_limit)
+    s = extract(source, store, key=load_key(root), memory_limit=memory_limit,
+                stay_codes=MedsStayCodes.from_config(workspace_config(root)))
     get_run_logger().info("extracted %d new events (%d in store, %d suppressed rows)", s.new_events,
                           s.total_events, s.suppressed_rows)
     return {"new_events": s.new_events, "total_events": s.total_events, "suppressed_rows": s.suppressed_rows,

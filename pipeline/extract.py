@@ -1,17 +1,11 @@
-"""Extraction of a MIMIC-IV directory (``hosp/``, ``icu/``; ``.csv`` or ``.csv.gz``) into a parquet event store.
+"""Extraction of a MIMIC-IV directory (``hosp/``, ``icu/``; ``.csv`` or ``.csv.gz``) or of a MEDS dataset into
+the event store, itself a valid MEDS dataset (layout and columns: :mod:`pipeline.meds`). Besides it::
 
-Store layout (``out/``)::
-
-    events/bucket=K/run-<id>.parquet   MEDS-style rows of subjects with subject_id % N_BUCKETS == K; one
-                                       patient's stream is read from one bucket. Row order within a file is
-                                       not guaranteed (DuckDB's partitioned COPY does not keep ORDER BY across
-                                       threads): every reader sorts by time
+    stays.parquet                      the ICU stays (stay_id, subject_id, hadm_id, first_careunit, intime,
+                                       outtime, anchor_age, gender): MIMIC-IV's icustays, or a MEDS source's
+                                       stay table, or stays derived from its admission/discharge codes
     quarantine/run-<id>.parquet        rejected rows with the rule that rejected them (never silently dropped)
-    codes.parquet                      code, description, source_table, count
     manifest.json                      per source file: size, mtime, sha256, rows seen; and the run history
-
-Event columns: subject_id, time, code, numeric_value, text_value, unit, hadm_id, stay_id, source_table,
-event_hash, occurrence.
 
 Incremental runs: a source file whose size, mtime and sha256 match the manifest is skipped. A changed file is
 re-read in full, and only rows whose (event_hash, occurrence) pair is not already in the store (or in the
@@ -22,8 +16,10 @@ Out of core: DuckDB runs with ``memory_limit`` and ``temp_directory`` set and sp
 collected into Python.
 """
 from __future__ import annotations
+
 import gzip
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -34,9 +30,13 @@ from pathlib import Path
 
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 
 from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, event_selects,
                             quarantine_reason, sql_literal, ts)
+from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, codes_metadata_path,
+                   events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files, shard_of, stage_meds,
+                   write_codes_metadata, write_dataset_metadata, write_shard)
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 
 
@@ -117,13 +117,13 @@ def _read_whole_tables(con, paths) -> None:
                 raise _read_problem(path, e) from None
 
 
-def _check_stays(con, path) -> None:
+def _check_stays(con, path, empty: str = "no ICU stays (a header only): every ICU event would be quarantined "
+                                             "as unknown_stay") -> None:
     """The stay table defines every ICU event's stay: an empty one, or a row without a numeric stay and subject
     id or a parsable window, is an error (it would quarantine or mis-attribute every event of those stays)."""
     n, = con.execute("SELECT count(*) FROM stays").fetchone()
     if n == 0:
-        raise ExtractionError(f"{path}: no ICU stays (a header only): every ICU event would be quarantined as "
-                              f"unknown_stay")
+        raise ExtractionError(f"{path}: {empty}")
     # counts per field, no values: an id in a message would reach logs and Prefect's database
     counts = con.execute("SELECT count(*) FILTER (WHERE subject_id IS NULL), count(*) FILTER (WHERE stay_id IS NULL), "
                          "count(*) FILTER (WHERE intime IS NULL OR outtime IS NULL) FROM stays").fetchone()
@@ -162,7 +162,10 @@ def connect(workdir: Path, memory_limit: str = "4GB", threads: int | None = None
 
 def check_source(source: Path | str) -> tuple[dict, list]:
     """(table -> path, missing optional tables); raise ExtractionError when ``source`` lacks a required table
-    or column (reads headers only)."""
+    or column (reads headers only). A MEDS dataset (no tables: ({}, [])) is checked by :func:`meds_source`."""
+    if is_meds_dataset(Path(source)):
+        meds_source(source)
+        return {}, []
     con = duckdb.connect()
     try:
         return _check_source(con, source)
@@ -193,33 +196,43 @@ def _check_source(con, source):
     return paths, missing
 
 
+def meds_source(source: Path | str) -> list[Path]:
+    """The data shards of a MEDS dataset, checked (:func:`pipeline.meds.meds_shards`), or an ExtractionError."""
+    try:
+        return meds_shards(Path(source))
+    except MedsSourceError as e:
+        raise ExtractionError(str(e)) from None
+
+
 def load_manifest(out: Path) -> dict:
     """The store's manifest: per source file its path, size, mtime, sha256 and rows; the run history."""
     p = Path(out) / "manifest.json"
     return json.loads(p.read_text()) if p.exists() else {"files": {}, "runs": []}
 
 
-def _changed_tables(paths, manifest, summary) -> dict:
-    """Event tables whose file differs from the manifest's (size or sha256); unchanged ones are skipped."""
+def _changed_files(files: dict, manifest: dict, summary: ExtractSummary) -> dict:
+    """The source files (name -> path) that differ from the manifest's (size or sha256); unchanged ones are
+    skipped."""
     changed = {}
-    for table in EVENT_TABLES:
-        if table not in paths:
-            continue
-        p, prev = paths[table], manifest["files"].get(table)
-        st, digest = paths[table].stat(), _sha256(paths[table])
+    for name, p in files.items():
+        prev = manifest["files"].get(name)
+        st, digest = p.stat(), _sha256(p)
         if prev and prev["sha256"] == digest and prev["size"] == st.st_size:
-            summary.tables[table] = {"skipped": True, "rows": prev["rows"]}
+            summary.tables[name] = {"skipped": True, "rows": prev["rows"]}
         else:
-            changed[table] = {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            changed[name] = {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     return changed
 
 
 def _stage(con, paths, changed) -> None:
     """Temp tables ``stays`` (validated) and ``staged``: every event of the changed tables, typed."""
     _read_whole_tables(con, paths)
-    con.execute(f"CREATE TEMP TABLE stays AS SELECT {bigint('stay_id')} AS stay_id, "
-                f"{bigint('subject_id')} AS subject_id, {ts('intime')} AS intime, {ts('outtime')} AS outtime "
-                f"FROM {csv_reader(paths['icustays'])}")
+    con.execute(f"""CREATE TEMP TABLE stays AS SELECT {bigint('i.stay_id')} AS stay_id,
+                        {bigint('i.subject_id')} AS subject_id, {bigint('i.hadm_id')} AS hadm_id, i.first_careunit,
+                        {ts('i.intime')} AS intime, {ts('i.outtime')} AS outtime,
+                        {bigint('p.anchor_age')} AS anchor_age, p.gender AS gender
+                    FROM {csv_reader(paths['icustays'])} i
+                    LEFT JOIN {csv_reader(paths['patients'])} p ON i.subject_id = p.subject_id""")
     _check_stays(con, paths["icustays"])
     con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
                 "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
@@ -254,9 +267,9 @@ def _suppress(con, suppressed) -> int:
 def _judge(con, out) -> None:
     """Temp tables ``numbered`` (every staged event with its quarantine reason, content hash and occurrence)
     and ``fresh`` (those not already in the store or its quarantine)."""
-    # Labs carry no stay_id: give them the ICU stay whose window contains them.
+    # Labs (and a MEDS source's events) carry no stay_id: give them the ICU stay whose window contains them.
     con.execute("""UPDATE staged SET stay_id = s.stay_id FROM stays s
-                   WHERE staged.source_table = 'labevents' AND staged.stay_id IS NULL
+                   WHERE staged.source_table IN ('labevents', 'meds') AND staged.stay_id IS NULL
                      AND staged.subject_id = s.subject_id AND staged.time >= s.intime
                      AND staged.time <= s.outtime""")
     con.execute(f"""CREATE TEMP TABLE judged AS
@@ -267,30 +280,24 @@ def _judge(con, out) -> None:
     con.execute("""CREATE TEMP TABLE numbered AS SELECT *,
                    row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
     seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(d / g)})"
-            for d, g in ((out / "events", "*/*.parquet"), (out / "quarantine", "*.parquet")) if any(d.glob(g))]
+            for d, g in ((out / "data", "*.parquet"), (out / "quarantine", "*.parquet")) if any(d.glob(g))]
     anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
             f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
     con.execute(f"CREATE TEMP TABLE fresh AS SELECT * FROM numbered j WHERE TRUE {anti}")
 
 
 def _write_new(con, out, run_id) -> int:
-    """New events into their buckets and new rejected rows into the quarantine; the new events written."""
+    """New events into their shards (each touched shard rewritten whole, sorted: a subject stays in one file,
+    contiguous and in time order) and new rejected rows into the quarantine; the new events written."""
     n_new = con.execute("SELECT count(*) FROM fresh WHERE reason IS NULL").fetchall()[0][0]
-    if n_new:
-        tmp = out / "events" / f".tmp-{run_id}"
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        con.execute(f"""COPY (SELECT subject_id, time, code, numeric_value, text_value, unit, hadm_id, stay_id,
-                            source_table, event_hash, occurrence, subject_id % {N_BUCKETS} AS bucket
-                     FROM fresh WHERE reason IS NULL ORDER BY subject_id, time, code)
-                     TO {sql_literal(tmp)} (FORMAT parquet, PARTITION_BY (bucket),
-                                            FILENAME_PATTERN 'run-{run_id}-{{i}}', ROW_GROUP_SIZE 100000)""")
-        for part in tmp.iterdir():
-            dest = out / "events" / part.name
-            dest.mkdir(parents=True, exist_ok=True)
-            for f in part.iterdir():
-                os.replace(f, dest / f.name)
-            part.rmdir()
-        tmp.rmdir()
+    cols = ", ".join(EVENT_COLUMNS)
+    touched = [k for k, in con.execute(f"SELECT DISTINCT subject_id % {N_BUCKETS} FROM fresh "
+                                       f"WHERE reason IS NULL ORDER BY 1").fetchall()]
+    for k in touched:
+        shard = shard_of(out, k)
+        old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
+        write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM fresh WHERE reason IS NULL "
+                         f"AND subject_id % {N_BUCKETS} = ?) ORDER BY {SHARD_ORDER}", shard, [k])
     if con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]:
         (out / "quarantine").mkdir(exist_ok=True)
         con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
@@ -300,37 +307,32 @@ def _write_new(con, out, run_id) -> int:
     return int(n_new)
 
 
-def _summarise(con, changed, summary, manifest) -> None:
-    """Per changed table: rows, events, quarantined by reason, new events; the manifest entry."""
+def _summarise(con, changed, summary, manifest, groups: dict) -> None:
+    """Per changed table (``groups``: name -> (its source_table values, rows read)): rows, events, quarantined
+    by reason, new events; the manifest entries of the changed files."""
     stats = con.sql("""SELECT source_table, count(*) FILTER (WHERE reason IS NULL) AS events,
                               count(*) FILTER (WHERE reason IS NOT NULL) AS quarantined
                        FROM numbered GROUP BY ALL""").pl()
     reasons = con.sql("SELECT source_table, reason, count(*) AS n FROM numbered WHERE reason IS NOT NULL "
                       "GROUP BY ALL").pl()
     new = con.sql("SELECT source_table, count(*) AS n FROM fresh WHERE reason IS NULL GROUP BY ALL").pl()
-    for table, info in changed.items():
-        row = stats.filter(pl.col("source_table") == table)
-        summary.tables[table] = {
-            "skipped": False, "rows": info["rows"],
+    for name, (tables, rows) in groups.items():
+        mine = pl.col("source_table").is_in(tables)
+        row = stats.filter(mine)
+        quarantined = reasons.filter(mine).group_by("reason").agg(pl.col("n").sum()).sort("reason")
+        summary.tables[name] = {
+            "skipped": False, "rows": rows,
             "events": int(row["events"].sum()), "quarantined_total": int(row["quarantined"].sum()),
-            "quarantined": {r["reason"]: int(r["n"]) for r in
-                            reasons.filter(pl.col("source_table") == table).iter_rows(named=True)},
-            "new_events": int(new.filter(pl.col("source_table") == table)["n"].sum()),
+            "quarantined": {r: int(n) for r, n in quarantined.iter_rows()},
+            "new_events": int(new.filter(mine)["n"].sum()),
         }
-        manifest["files"][table] = info
+    manifest["files"].update(changed)
 
 
-def _write_stays(con, out, paths) -> None:
-    """The stay table for cohorts: icustays with the patient's anchor age and sex (all stays not suppressed,
-    rewritten at every run)."""
-    con.execute(f"""COPY (SELECT {bigint('i.stay_id')} AS stay_id, {bigint('i.subject_id')} AS subject_id,
-                        {bigint('i.hadm_id')} AS hadm_id, i.first_careunit, {ts('i.intime')} AS intime,
-                        {ts('i.outtime')} AS outtime, {bigint('p.anchor_age')} AS anchor_age,
-                        p.gender AS gender
-                 FROM {csv_reader(paths['icustays'])} i
-                 LEFT JOIN {csv_reader(paths['patients'])} p ON i.subject_id = p.subject_id
-                 WHERE {bigint('i.stay_id')} IN (SELECT stay_id FROM stays) ORDER BY 2, 5)
-                 TO {sql_literal(out / 'stays.parquet.tmp')} (FORMAT parquet)""")
+def _write_stays(con, out) -> None:
+    """The stay table for cohorts (all stays not suppressed, rewritten at every run)."""
+    con.execute(f"COPY (SELECT {', '.join(STAY_COLUMNS)} FROM stays ORDER BY subject_id, intime) "
+                f"TO {sql_literal(out / 'stays.parquet.tmp')} (FORMAT parquet)")
     os.replace(out / "stays.parquet.tmp", out / "stays.parquet")
 
 
@@ -347,8 +349,9 @@ def _open_store(out, key):
 
 
 def extract(source: Path | str, out: Path | str, key: bytes | None = None, memory_limit: str = "4GB",
-            threads: int | None = None) -> ExtractSummary | None:
-    """Extract (or incrementally update) the event store in ``out`` from the MIMIC-IV directory ``source``.
+            threads: int | None = None, stay_codes: MedsStayCodes | None = None) -> ExtractSummary | None:
+    """Extract (or incrementally update) the event store in ``out`` from ``source``: a MIMIC-IV directory, or a
+    MEDS dataset (recognised by ``metadata/dataset.json``; ``stay_codes`` says how its ICU stays are read).
 
     Returns an :class:`ExtractSummary`; rows rejected by a rule land in ``quarantine/`` with their reason and
     are counted per table and reason. Subjects on the store's suppression list (deleted patients, by keyed
@@ -356,36 +359,48 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     ``suppressed_rows``), so a deleted patient never returns from a source that still holds them. A store
     with a suppression list is not extracted into without its key.
     """
-    t0, out = time.perf_counter(), Path(out)
-    paths, missing = check_source(source)   # headers only: a missing table or column fails before out exists
+    t0, out, source = time.perf_counter(), Path(out), Path(source)
+    # headers only: a missing table, column or metadata file fails before out exists
+    paths, missing = check_source(source)
+    shards = meds_source(source) if not paths else []
     created, suppressed = _open_store(out, key)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     try:
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
-        changed = _changed_tables(paths, manifest, summary)
-        _stage(con, paths, changed)
+        if shards:
+            changed = _changed_files({f"meds:{p.relative_to(source)}": p for p in shards}, manifest, summary)
+            for info in changed.values():
+                info["rows"] = pq.ParquetFile(info["path"]).metadata.num_rows
+            stage_meds(con, source, shards, [Path(i["path"]) for i in changed.values()],
+                       stay_codes or MedsStayCodes())
+            _check_stays(con, source, "no ICU stays: no stays.parquet, and no code matches the ICU admission "
+                                      "pattern (meds_source.admission in the cohort config)")
+            groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
+        else:
+            changed = _changed_files({t: paths[t] for t in EVENT_TABLES if t in paths}, manifest, summary)
+            _stage(con, paths, changed)
+            groups = {t: ([t], info["rows"]) for t, info in changed.items()}
         summary.suppressed_rows = _suppress(con, suppressed)
         _judge(con, out)
         summary.new_events = _write_new(con, out, run_id)
-        _summarise(con, changed, summary, manifest)
-        _write_codes(con, out, paths)
-        _write_stays(con, out, paths)
-        if any((out / "events").glob("*/*.parquet")):
+        _summarise(con, changed, summary, manifest, groups)
+        _write_metadata(con, out, source, paths)
+        _write_stays(con, out)
+        if shard_files(out):
             summary.total_events = int(con.execute(
-                f"SELECT count(*) FROM read_parquet({sql_literal(out / 'events' / '*' / '*.parquet')})")
-                .fetchall()[0][0])
+                f"SELECT count(*) FROM read_parquet({sql_literal(events_glob(out))})").fetchall()[0][0])
         summary.seconds = time.perf_counter() - t0
         manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events, "tables": sorted(changed)})
         _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
         _atomic_write(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
         return summary
-    except ExtractionError:
+    except (ExtractionError, MedsSourceError) as e:
         if created:                      # a store this call began: nothing of it stays behind
             con.close()
             shutil.rmtree(out, ignore_errors=True)
-        raise
+        raise e if isinstance(e, ExtractionError) else ExtractionError(str(e)) from None
     finally:
         con.close()
 
@@ -396,32 +411,69 @@ def _atomic_write(path, text):
     os.replace(tmp, path)
 
 
-def _write_codes(con, out, paths):
-    """codes.parquet: every code in the store with its count and the description from d_items / d_labitems.
+def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:
+    """(code, description, parent_codes) known for the source's codes: MIMIC-IV's d_items / d_labitems labels
+    (each item's d_items category as its parent), or a MEDS source's own codes metadata."""
+    if not paths:
+        meta = read_codes_metadata(source)
+        return None if meta is None else meta.select(
+            "code", "description", pl.col("parent_codes").cast(pl.List(pl.String)))
+    frames = []
+    for table, prefixes in (("d_items", ("CHART", "INPUT", "OUTPUT", "PROCEDURE")), ("d_labitems", ("LAB",))):
+        if table in paths:
+            category = "category" if table == "d_items" else "NULL"
+            d = pl.from_arrow(con.sql(f"SELECT itemid, label, {category} AS category "
+                                      f"FROM {csv_reader(paths[table])}").arrow())
+            for pre in prefixes:
+                frames.append(d.select(
+                    (pl.lit(pre + "//") + pl.col("itemid")).alias("code"), pl.col("label").alias("description"),
+                    pl.when(pl.col("category").is_not_null())
+                    .then(pl.concat_list(pl.lit("MIMIC_IV_ITEM_CATEGORY//") + pl.col("category")))
+                    .otherwise(pl.lit(None, dtype=pl.List(pl.String))).alias("parent_codes")))
+    return pl.concat(frames).unique("code", keep="first") if frames else None
+
+
+def _write_metadata(con, out: Path, source: Path, paths: dict) -> None:
+    """``metadata/codes.parquet`` (every code in the store with its count, source table, description and parent
+    codes where known) and ``metadata/dataset.json``.
 
     Counts come from DuckDB and descriptions are joined in Polars, handed over as Arrow without copying.
     """
-    glob = out / "events" / "*" / "*.parquet"
-    if not any((out / "events").glob("*/*.parquet")):
+    if not shard_files(out):
         return
     counts = pl.from_arrow(con.sql(f"SELECT code, any_value(source_table) AS source_table, count(*) AS count "
-                                   f"FROM read_parquet({sql_literal(glob)}) GROUP BY code").arrow())
-    desc_frames = []
-    for table, prefixes in (("d_items", ("CHART", "INPUT", "OUTPUT", "PROCEDURE")), ("d_labitems", ("LAB",))):
-        if table in paths:
-            d = pl.from_arrow(con.sql(f"SELECT itemid, label FROM {csv_reader(paths[table])}").arrow())
-            for pre in prefixes:
-                desc_frames.append(d.select((pl.lit(pre + "//") + pl.col("itemid")).alias("code"),
-                                            pl.col("label").alias("description")))
-    codes = counts.lazy()
-    if desc_frames:
-        codes = codes.join(pl.concat(desc_frames).unique("code").lazy(), on="code", how="left")
-    codes.sort("code").collect().write_parquet(out / "codes.parquet")
+                                   f"FROM read_parquet({sql_literal(events_glob(out))}) GROUP BY code").arrow())
+    known = _descriptions(con, source, paths)
+    codes = (counts.join(known, on="code", how="left") if known is not None else
+             counts.with_columns(pl.lit(None, dtype=pl.String).alias("description"),
+                                 pl.lit(None, dtype=pl.List(pl.String)).alias("parent_codes")))
+    write_codes_metadata(codes_metadata_path(out), codes)
+    write_dataset_metadata(out, dataset_name=f"forgetful store of {source.name}",
+                           dataset_version=time.strftime("%Y-%m-%d"), etl_version=_version())
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("forgetful")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def scan_events(store: Path) -> pl.LazyFrame:
-    """Lazy frame over the whole event store."""
-    return pl.scan_parquet(Path(store) / "events" / "*" / "*.parquet", hive_partitioning=True)
+    """Lazy frame over the whole event store, values in double precision (stored as MEDS's float32; every
+    computation over them is fp64)."""
+    return scan_events_in(events_glob(store))
+
+
+def scan_events_in(files: Path) -> pl.LazyFrame:
+    return pl.scan_parquet(files).with_columns(pl.col("numeric_value").cast(pl.Float64))
+
+
+def store_codes(store: Path) -> list[str]:
+    """Every code in the store (from its codes metadata when it has one)."""
+    meta = read_codes_metadata(store)
+    codes = meta["code"] if meta is not None else scan_events(store).select("code").unique().collect()["code"]
+    return codes.to_list()
 
 
 def quarantine_reasons(store: Path) -> dict[str, int]:
@@ -441,11 +493,11 @@ class UnknownSubjectError(ExtractionError, KeyError):
 
 
 def read_subject(store: Path, subject_id: int) -> pl.DataFrame | None:
-    """One patient's events in time order, reading only that patient's bucket."""
-    bucket = Path(store) / "events" / f"bucket={int(subject_id) % N_BUCKETS}"
+    """One patient's events in time order, reading only that patient's shard."""
+    shard = shard_of(store, subject_id)
     frame = None
-    if bucket.exists() and any(bucket.glob("*.parquet")):
-        frame = (pl.scan_parquet(bucket / "*.parquet").filter(pl.col("subject_id") == int(subject_id))
+    if shard.exists():
+        frame = (scan_events_in(shard).filter(pl.col("subject_id") == int(subject_id))
                  .sort(["time", "code", "event_hash", "occurrence"]).collect())
     if frame is None or frame.height == 0:
         raise UnknownSubjectError(f"subject {subject_id} has no events in the store {store}")

@@ -2,9 +2,9 @@
 rule that quarantines a row. Paths enter SQL only through :func:`sql_literal` (quoted, quotes doubled)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import csv
 import gzip
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -123,8 +123,8 @@ def quarantine_reason() -> str:
     tol = f"INTERVAL {STAY_TOLERANCE_HOURS} HOUR"
     return f"""CASE
         WHEN e.subject_id IS NULL THEN 'bad_subject_id'
-        WHEN e.raw_time IS NULL OR e.raw_time = '' THEN 'missing_time'
-        WHEN e.time IS NULL THEN 'unparsable_time'
+        WHEN (e.raw_time IS NULL OR e.raw_time = '') AND e.source_table <> 'meds_static' THEN 'missing_time'
+        WHEN e.time IS NULL AND e.source_table <> 'meds_static' THEN 'unparsable_time'
         WHEN e.raw_numeric IS NOT NULL AND e.raw_numeric <> '' AND e.numeric_value IS NULL THEN 'unparsable_value'
         WHEN isnan(e.numeric_value) THEN 'nan_value'
         WHEN isinf(e.numeric_value) THEN 'non_finite_value'

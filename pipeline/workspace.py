@@ -1,5 +1,6 @@
 """Where a Forgetful deployment keeps everything (one folder, the ``--out`` of the CLI)."""
 from __future__ import annotations
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ class Workspace:
     source = property(lambda self: self.root / "source")            # the embedded generator's output
     store = property(lambda self: self.root / "store")              # parquet event store
     results = property(lambda self: self.root / "results" / "per_stay.parquet")
+    labels = property(lambda self: self.root / "labels")                # MEDS label files of the last run
     stay_memories = property(lambda self: self.root / "memories" / "stays")
     cohort_checkpoints = property(lambda self: self.root / "memories" / "cohort" / "checkpoints")
     encoder = property(lambda self: self.root / "models" / "encoder.pt")  # learned event keys

@@ -67,6 +67,11 @@ def check_refit(mem, probes=None):
         # No exact reference to compare with: allowed only where the problem is past fp64.
         assert numerically_singular(mem), rep
         return rep
+    if numerically_singular(mem):
+        # The reference solved to rounding, but on a Gram matrix past fp64 (module docstring) two points with
+        # KKT residuals within tolerance can differ by far more than 1e-10 in decision value: the memory is
+        # held to its own residual (above) only.
+        return rep
     assert rep.nondegenerate_mismatches == 0, rep
     assert rep.median_dev <= 1e-10, rep
     assert rep.max_dev <= 1e-8, rep
@@ -102,6 +107,10 @@ scenario = st.fixed_dictionaries({
           "ops": [False] * 6 + [True] * 8 + [False] * 3 + [True] * 3 + [False] * 2})
 @example({"seed": 1301702, "regime": "random", "n": 30, "d": 1, "inv_c": 2.0, "gamma": 1.91015625,
           "ops": [False] * 5})  # 30 keys on a line (eigenvalue -6e-16): a repair ended at 7.8e-10
+# 36 keys on a line (eigenvalue -1.6e-15): the reference's residual is 1e-15, yet the memory's point (residual
+# 8e-11) differs from it by 1e-8 in decision value; the same on the code before the solver-state refactor.
+@example({"seed": 102338, "regime": "random", "n": 36, "d": 1, "inv_c": 2.0, "gamma": 2.189834519288686,
+          "ops": [False] * 5})
 # Removing one copy of a duplicated margin atom whose coefficient was its new box less one ulp: it stayed in the
 # margin set, pinning rho at one end of its interval instead of the midpoint (the atom is on its bound).
 @example({"seed": 153132, "regime": "duplicated", "n": 8, "d": 1, "inv_c": 4.0, "gamma": 2.0, "ops": [False] * 7})

@@ -77,8 +77,8 @@ def test_readers_do_not_depend_on_the_row_order_of_the_store_files(source, tmp_p
     cohort = build_cohort(out, cfg)
     sid = int(cohort["subject_id"][0])
     before, events_before = read_subject(out, sid), stay_events(out, cohort)
-    for f in (out / "events").glob("*/*.parquet"):       # the same rows, shuffled within every file
-        pl.read_parquet(f, hive_partitioning=False).sample(fraction=1.0, shuffle=True, seed=3).write_parquet(f)
+    for f in (out / "data").glob("*.parquet"):       # the same rows, shuffled within every file
+        pl.read_parquet(f).sample(fraction=1.0, shuffle=True, seed=3).write_parquet(f)
     # ties in (time, code) are broken by content hash and occurrence: the same stream, value for value
     assert read_subject(out, sid).equals(before)
     assert stay_events(out, cohort).equals(events_before)
@@ -131,7 +131,7 @@ def test_missing_table_and_column_are_clear_errors(source, tmp_path):
               "\n".join([lines[0].replace("valuenum", "vnum")] + lines[1:]) + "\n")
     with pytest.raises(ExtractionError, match=r"chartevents.csv.gz lacks required column\(s\) \['valuenum'\]"):
         extract(src, tmp_path / "o2")
-    assert not (tmp_path / "o2" / "events").exists()
+    assert not (tmp_path / "o2" / "data").exists()
     with pytest.raises(ExtractionError, match="does not exist"):
         extract(tmp_path / "nowhere", tmp_path / "o3")
 

@@ -63,8 +63,8 @@ def test_a_deleted_subject_stays_out_of_events_and_stays_on_a_rerun_of_the_uncha
     sid = int(pl.read_parquet(out / "stays.parquet")["subject_id"][0])
     # what a deletion leaves: the subject's rows gone, their keyed hash on the suppression list
     (out / SUPPRESSED_FILE).write_text(json.dumps([keyed_hash(sid, KEY)]))
-    for f in (out / "events").glob("*/*.parquet"):
-        pl.read_parquet(f, hive_partitioning=False).filter(pl.col("subject_id") != sid).write_parquet(f)
+    for f in (out / "data").glob("*.parquet"):
+        pl.read_parquet(f).filter(pl.col("subject_id") != sid).write_parquet(f)
     again = extract(src, out, key=KEY)              # every source file unchanged: all skipped
     assert again.new_events == 0
     assert sid not in pl.read_parquet(out / "stays.parquet")["subject_id"].to_list()

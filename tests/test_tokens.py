@@ -13,7 +13,9 @@ from cohorts.protocols import (StreamingSettings, exact_alpha, fixed_context_sel
                                retrieval, score_fixed_context, streaming_sv, token_streams)
 from cohorts.tokens import build_tokens, label_tokens
 from memory.kernels import rbf
-from memory.refit import sklearn_fit
+from memory.libsvm import sklearn_fit
+from pipeline.extract_rules import N_BUCKETS
+from pipeline.meds import shard_of, write_frame_shard
 
 T0 = datetime(2150, 1, 1, 8, 0, 0)
 VITAL = {"hr": "CHART//220045", "sbp": "CHART//220179", "dbp": "CHART//220180", "rr": "CHART//220210",
@@ -29,7 +31,7 @@ def _subject(split, cfg, start):
 
 
 def _write_store(root, stays, events):
-    """A store as extraction writes it: stays.parquet and events/bucket=K/*.parquet."""
+    """A store as extraction writes it: stays.parquet and its MEDS shards data/K.parquet."""
     pl.DataFrame(stays).write_parquet(root / "stays.parquet")
     ev = pl.DataFrame(events).with_columns(
         pl.col("time").cast(pl.Datetime("us")),
@@ -37,8 +39,8 @@ def _write_store(root, stays, events):
         pl.lit("chartevents").alias("source_table"), pl.lit(None, dtype=pl.String).alias("unit"))
     ev = ev.with_columns(pl.Series("event_hash", [hashlib.sha256(f"{i}".encode()).hexdigest()[:32]
                                                   for i in range(ev.height)]), pl.lit(0).alias("occurrence"))
-    (root / "events" / "bucket=0").mkdir(parents=True)
-    ev.write_parquet(root / "events" / "bucket=0" / "part.parquet")
+    for k, shard in ev.with_columns((pl.col("subject_id") % N_BUCKETS).alias("k")).group_by("k"):
+        write_frame_shard(shard, shard_of(root, k[0]))
     return root
 
 

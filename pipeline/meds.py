@@ -1,0 +1,303 @@
+"""The event store as a MEDS dataset (Medical Event Data Standard, the ``meds`` package, 0.4), and MEDS datasets
+as a source.
+
+Store layout (``store/``), a valid MEDS dataset::
+
+    data/<K>.parquet               the events of subjects with subject_id % N_BUCKETS == K, sorted by subject,
+                                   time, code: each subject lies in one shard, contiguous and in time order (as
+                                   MEDS requires); an incremental run or a deletion rewrites a shard whole
+    metadata/dataset.json          dataset_name, dataset_version, etl_name, etl_version, meds_version, created_at
+    metadata/codes.parquet         code, description, parent_codes; and the store's count, source_table
+    metadata/subject_splits.parquet  the cohort's subject-level split (train / held_out), written by a run
+
+Event columns: MEDS's subject_id (int64), time (timestamp[us]), code, numeric_value (float32) and text_value
+(large_string); extra columns unit, hadm_id, stay_id, source_table, event_hash, occurrence. MEDS stores values
+in single precision; every quantity this product reads (vital signs, labs, volumes, doses) is charted with far
+fewer significant digits than float32's 7, so nothing measured is lost, and the solver's fp64 starts from
+these values.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import duckdb
+import meds
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .extract_rules import N_BUCKETS
+
+DATA = "data"
+METADATA = "metadata"
+ETL_NAME = "forgetful"
+
+EVENT_SCHEMA = pa.schema([
+    pa.field("subject_id", pa.int64(), nullable=False), ("time", pa.timestamp("us")),
+    pa.field("code", pa.string(), nullable=False), ("numeric_value", pa.float32()),
+    ("text_value", pa.large_string()), ("unit", pa.string()), ("hadm_id", pa.int64()), ("stay_id", pa.int64()),
+    ("source_table", pa.string()), ("event_hash", pa.string()), ("occurrence", pa.int64())])
+EVENT_COLUMNS = EVENT_SCHEMA.names
+SHARD_ORDER = "subject_id, time, code, event_hash, occurrence"
+CODE_COLUMNS = ("code", "description", "parent_codes", "count", "source_table")   # metadata/codes.parquet
+
+
+class MedsSourceError(ValueError):
+    """A MEDS source directory that cannot be read as one (missing metadata, a wrong column type)."""
+
+
+def shard_of(store: Path, subject_id: int) -> Path:
+    """The shard that holds (or would hold) a subject's events."""
+    return Path(store) / DATA / f"{int(subject_id) % N_BUCKETS}.parquet"
+
+
+def shard_files(store: Path) -> list[Path]:
+    d = Path(store) / DATA
+    return sorted(d.glob("*.parquet"), key=lambda p: int(p.stem)) if d.exists() else []
+
+
+def events_glob(store: Path) -> Path:
+    return Path(store) / DATA / "*.parquet"
+
+
+def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: list | None = None) -> int:
+    """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically; the rows
+    written. Batches flow from DuckDB to the file without collecting the shard in Python."""
+    tmp = Path(str(path) + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reader = con.sql(query, params=params or []).to_arrow_reader(100_000)
+    n = 0
+    with pq.ParquetWriter(tmp, EVENT_SCHEMA) as writer:
+        for batch in reader:
+            writer.write_batch(batch.select(EVENT_COLUMNS).cast(EVENT_SCHEMA))
+            n += batch.num_rows
+    os.replace(tmp, path)
+    return n
+
+
+def write_frame_shard(frame: pl.DataFrame, path: Path) -> None:
+    """A shard from a data frame (a deletion's rewrite of one shard), sorted and with the MEDS schema."""
+    table = frame.sort(SHARD_ORDER.split(", ")).select(EVENT_COLUMNS).to_arrow().cast(EVENT_SCHEMA)
+    _atomic_table(table, Path(path))
+
+
+def write_dataset_metadata(store: Path, dataset_name: str, dataset_version: str, etl_version: str) -> None:
+    meta = {"dataset_name": dataset_name, "dataset_version": dataset_version, "etl_name": ETL_NAME,
+            "etl_version": etl_version, "meds_version": meds.__version__,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "raw_source_id_columns": ["hadm_id", "stay_id"], "code_modifier_columns": ["unit"],
+            "other_extension_columns": ["source_table", "event_hash", "occurrence"]}
+    meds.DatasetMetadataSchema.validate(meta)
+    _atomic_text(Path(store) / METADATA / "dataset.json", json.dumps(meta, indent=1))
+
+
+def codes_metadata_path(store: Path) -> Path:
+    return Path(store) / meds.code_metadata_filepath
+
+
+def write_codes_metadata(path: Path, codes: pl.DataFrame) -> None:
+    """Write ``codes`` (code, description, parent_codes as a list of str, and any extra columns) to ``path``
+    (:func:`codes_metadata_path`, or a deletion's staged copy of it)."""
+    table = meds.CodeMetadataSchema.align(codes.select(CODE_COLUMNS).sort("code").to_arrow())
+    meds.CodeMetadataSchema.validate(table)
+    _atomic_table(table, Path(path))
+
+
+def subject_splits_path(store: Path) -> Path:
+    return Path(store) / meds.subject_splits_filepath
+
+
+def write_subject_splits(path: Path, splits: pl.DataFrame) -> None:
+    """``splits``: subject_id, split (one row per subject), to ``path`` (:func:`subject_splits_path`, or a
+    deletion's staged copy of it)."""
+    table = meds.SubjectSplitSchema.align(splits.select("subject_id", "split").sort("subject_id").to_arrow())
+    meds.SubjectSplitSchema.validate(table)
+    _atomic_table(table, Path(path))
+
+
+def write_label_file(labels: pl.DataFrame, path: Path) -> None:
+    """A MEDS label file (``meds.LabelSchema``: subject_id, prediction_time, boolean_value) at ``path``."""
+    table = meds.LabelSchema.align(labels.select("subject_id", "prediction_time", "boolean_value")
+                                   .sort("subject_id", "prediction_time").to_arrow())
+    meds.LabelSchema.validate(table)
+    _atomic_table(table, Path(path))
+
+
+def read_codes_metadata(store: Path) -> pl.DataFrame | None:
+    p = codes_metadata_path(store)
+    return pl.read_parquet(p) if p.exists() else None
+
+
+def validate_dataset(root: Path) -> list[str]:
+    """Every shard and metadata file of the MEDS dataset at ``root`` checked with the ``meds`` schemas; the
+    problems found, each naming its file (empty: valid)."""
+    root = Path(root)
+    problems = []
+    checks = [(p, meds.DataSchema) for p in sorted((root / DATA).rglob("*.parquet"))]
+    checks += [(root / meds.code_metadata_filepath, meds.CodeMetadataSchema),
+               (root / meds.subject_splits_filepath, meds.SubjectSplitSchema)]
+    if not checks[:-2]:
+        problems.append(f"{root / DATA}: no data shards")
+    for path, schema in checks:
+        if not path.exists():
+            if schema is meds.CodeMetadataSchema:
+                problems.append(f"{path}: missing")
+            continue
+        try:
+            schema.validate(pq.read_table(path))
+        except Exception as e:  # noqa: BLE001 -- flexible_schema raises several kinds; each is a finding
+            problems.append(f"{path}: {e}")
+    ds = root / meds.dataset_metadata_filepath
+    try:
+        meds.DatasetMetadataSchema.validate(json.loads(ds.read_text()))
+    except FileNotFoundError:
+        problems.append(f"{ds}: missing")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"{ds}: {e}")
+    return problems
+
+
+def is_meds_dataset(source: Path) -> bool:
+    """A MEDS dataset announces itself with ``metadata/dataset.json``; a ``data/`` folder of parquet files
+    without it is a MEDS dataset missing its metadata (an error, see :func:`meds_shards`)."""
+    source = Path(source)
+    return (source / meds.dataset_metadata_filepath).exists() or any((source / DATA).rglob("*.parquet"))
+
+
+_REQUIRED_TYPES = {"subject_id": (pa.types.is_integer, "int64"), "time": (pa.types.is_timestamp, "timestamp[us]"),
+                   "code": (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "string"),
+                   "numeric_value": (pa.types.is_floating, "float32"),
+                   "text_value": (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t),
+                                  "large_string")}
+
+
+def meds_shards(source: Path) -> list[Path]:
+    """The data shards of the MEDS dataset ``source``, their schemas checked (headers only); a MedsSourceError
+    naming the file and the problem otherwise."""
+    source = Path(source)
+    if not (source / meds.dataset_metadata_filepath).exists():
+        raise MedsSourceError(f"{source}: a MEDS dataset needs {meds.dataset_metadata_filepath} (at least "
+                              f'{{"dataset_name": ..., "meds_version": ...}}); it is missing')
+    try:
+        meds.DatasetMetadataSchema.validate(json.loads((source / meds.dataset_metadata_filepath).read_text()))
+    except Exception as e:  # noqa: BLE001
+        raise MedsSourceError(f"{source / meds.dataset_metadata_filepath}: not valid MEDS dataset metadata ({e})") \
+            from None
+    shards = sorted((source / DATA).rglob("*.parquet"))
+    if not shards:
+        raise MedsSourceError(f"{source / DATA}: no data shards (*.parquet)")
+    for p in shards:
+        try:
+            schema = pq.read_schema(p)
+        except Exception as e:  # noqa: BLE001 -- pyarrow's errors for damaged files vary
+            raise MedsSourceError(f"{p}: not a readable parquet file ({e})") from None
+        for col, (ok, want) in _REQUIRED_TYPES.items():
+            if col not in schema.names:
+                if col in ("numeric_value", "text_value"):
+                    continue
+                raise MedsSourceError(f"{p}: lacks the MEDS column {col!r}")
+            if not ok(schema.field(col).type):
+                raise MedsSourceError(f"{p}: column {col!r} is {schema.field(col).type}, MEDS wants {want}")
+    return shards
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_table(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+STAY_COLUMNS = ("stay_id", "subject_id", "hadm_id", "first_careunit", "intime", "outtime", "anchor_age", "gender")
+
+
+class MedsStayCodes:
+    """How ICU stays, age and sex are read from a MEDS dataset that has no stay table: an ICU stay runs from an
+    admission code to the subject's next discharge code (the MIMIC-IV MEDS ETL writes
+    ``ICU_ADMISSION//<careunit>`` / ``ICU_DISCHARGE//<careunit>``); the care unit is what follows the
+    admission code's prefix; age at admission comes from the birth code's time; sex from the sex code's suffix.
+    Regular expressions in DuckDB's (RE2) syntax."""
+
+    def __init__(self, admission: str = "^ICU_ADMISSION//", discharge: str = "^ICU_DISCHARGE//",
+                 birth: str = "^MEDS_BIRTH$", sex: str = "^GENDER//"):
+        self.admission, self.discharge, self.birth, self.sex = admission, discharge, birth, sex
+
+    @classmethod
+    def from_config(cls, cfg: dict | None) -> MedsStayCodes:
+        spec = (cfg or {}).get("meds_source") or {}
+        return cls(**{k: spec[k] for k in ("admission", "discharge", "birth", "sex") if k in spec})
+
+
+def _literal_list(paths: list[Path]) -> str:
+    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+
+
+def _optional(schema_names: set, col: str, sql_type: str) -> str:
+    return f"CAST({col} AS {sql_type})" if col in schema_names else f"NULL::{sql_type}"
+
+
+def stage_meds(con: duckdb.DuckDBPyConnection, source: Path, shards: list[Path], changed: list[Path],
+               codes: MedsStayCodes) -> None:
+    """Temp tables ``stays`` (from the source's ``stays.parquet`` when it has one, else from its admission and
+    discharge codes) and ``staged`` (every event of the ``changed`` shards, typed as the CSV path types them).
+
+    Events with no time (MEDS's static measurements) are staged with source_table 'meds_static' and kept."""
+    names = set.intersection(*(set(pq.read_schema(p).names) for p in shards))
+    stay_table = Path(source) / "stays.parquet"
+    if stay_table.exists():
+        con.execute(f"CREATE TEMP TABLE stays AS SELECT {', '.join(STAY_COLUMNS)} "
+                    f"FROM read_parquet({_literal_list([stay_table])})")
+    else:
+        _derive_stays(con, shards, codes)
+    src = f"read_parquet({_literal_list(changed)}, union_by_name=true)" if changed else None
+    con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
+                "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
+                "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
+    if src is None:
+        return
+    con.execute(f"""INSERT INTO staged SELECT CAST(subject_id AS BIGINT), CAST(time AS VARCHAR),
+                        CAST(time AS TIMESTAMP), CAST(code AS VARCHAR),
+                        {_optional(names, 'numeric_value', 'DOUBLE')}, {_optional(names, 'text_value', 'VARCHAR')},
+                        {_optional(names, 'unit', 'VARCHAR')}, {_optional(names, 'hadm_id', 'BIGINT')},
+                        {_optional(names, 'stay_id', 'BIGINT')}, {_optional(names, 'numeric_value', 'VARCHAR')},
+                        CASE WHEN time IS NULL THEN 'meds_static' ELSE 'meds' END
+                    FROM {src}""")
+
+
+def _derive_stays(con: duckdb.DuckDBPyConnection, shards: list[Path], codes: MedsStayCodes) -> None:
+    """Stays from admission/discharge code pairs: each admission to the subject's first discharge at or after
+    it (an ASOF join); stay ids subject_id * 1000 + the admission's rank within its subject."""
+    src = f"read_parquet({_literal_list(shards)}, union_by_name=true)"
+    con.execute(f"""CREATE TEMP TABLE marks AS SELECT CAST(subject_id AS BIGINT) AS subject_id,
+                        CAST(time AS TIMESTAMP) AS time, CAST(code AS VARCHAR) AS code FROM {src}
+                    WHERE regexp_matches(code, ?) OR regexp_matches(code, ?) OR regexp_matches(code, ?)
+                       OR regexp_matches(code, ?)""", [codes.admission, codes.discharge, codes.birth, codes.sex])
+    con.execute("""CREATE TEMP TABLE stays AS
+        WITH adm AS (SELECT subject_id, time AS intime, regexp_replace(code, ?, '') AS first_careunit,
+                            row_number() OVER (PARTITION BY subject_id ORDER BY time, code) AS k
+                     FROM marks WHERE regexp_matches(code, ?) AND time IS NOT NULL),
+             dis AS (SELECT subject_id, time AS outtime FROM marks WHERE regexp_matches(code, ?)
+                     AND time IS NOT NULL),
+             birth AS (SELECT subject_id, min(time) AS born FROM marks WHERE regexp_matches(code, ?) GROUP BY 1),
+             sex AS (SELECT subject_id, any_value(regexp_replace(code, ?, '')) AS gender FROM marks
+                     WHERE regexp_matches(code, ?) GROUP BY 1)
+        SELECT a.subject_id * 1000 + a.k AS stay_id, a.subject_id, NULL::BIGINT AS hadm_id, a.first_careunit,
+               a.intime, d.outtime, CAST(floor(date_diff('day', b.born, a.intime) / 365.2425) AS BIGINT) AS anchor_age, s.gender
+        FROM adm a ASOF LEFT JOIN dis d ON a.subject_id = d.subject_id AND d.outtime >= a.intime
+        LEFT JOIN birth b ON a.subject_id = b.subject_id LEFT JOIN sex s ON a.subject_id = s.subject_id""",
+                [codes.admission, codes.admission, codes.discharge, codes.birth, codes.sex, codes.sex])
+    too_many, = con.execute("SELECT count(*) FROM (SELECT subject_id FROM stays GROUP BY 1 HAVING count(*) >= 1000)"
+                            ).fetchone()
+    if too_many:
+        raise MedsSourceError("a subject has 1,000 or more ICU admissions: derived stay ids would collide")
+    con.execute("DROP TABLE marks")

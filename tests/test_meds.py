@@ -1,0 +1,171 @@
+"""MEDS in and out: the store is a valid MEDS dataset (checked with the ``meds`` package), a MEDS dataset is a
+source (stays from its admission/discharge codes, codes matched by ACES-style predicates), and runs write MEDS
+label files and subject splits that a deletion rewrites."""
+import json
+import shutil
+from pathlib import Path
+
+import meds
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from cohorts.definitions import load_config, resolve_config
+from cohorts.predicates import code_expr, matching_codes, value_expr
+from cohorts.runs import prepare_token_streams
+from deletion import delete_subject, scan_subject
+from pipeline.extract import ExtractionError, extract, scan_events
+from pipeline.generate import GeneratorConfig, generate
+from pipeline.meds import MedsStayCodes, shard_files, validate_dataset
+from pipeline.privacy import load_key
+from pipeline.workspace import Workspace
+
+DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mimic-iv-demo"
+MEDS_CONFIG = load_config(resolve_config("mimic-iv-meds"))
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """A workspace extracted from the embedded generator's data, with the run's hourly-token step done."""
+    ws = Workspace(tmp_path_factory.mktemp("meds-ws"))
+    generate(ws.source, GeneratorConfig(n_patients=24, seed=5))
+    extract(ws.source, ws.store, key=load_key(ws.root))
+    prepare_token_streams(ws.store, load_config(), labels_dir=ws.labels)
+    return ws
+
+
+def _as_etl(store: Path, out: Path) -> Path:
+    """The store's events rewritten in the MIMIC-IV MEDS ETL's code conventions, as a MEDS dataset of two shards
+    with no stay table: chart items LAB//<itemid>//<unit>, INFUSION_START//<itemid>, PROCEDURE//START//<itemid>,
+    ICU_ADMISSION//<careunit> / ICU_DISCHARGE//<careunit>, MEDS_DEATH, MEDS_BIRTH and GENDER//<sex>."""
+    stays = pl.read_parquet(store / "stays.parquet")
+    ev = scan_events(store).collect()
+    unit = pl.col("unit").fill_null("UNK")
+    item = pl.col("code").str.split("//").list.get(1, null_on_oob=True)
+    code = (pl.when(pl.col("code").str.starts_with("CHART//") | pl.col("code").str.starts_with("LAB//"))
+            .then(pl.lit("LAB//") + item + pl.lit("//") + unit)
+            .when(pl.col("code").str.starts_with("INPUT//")).then(pl.lit("INFUSION_START//") + item)
+            .when(pl.col("code").str.starts_with("PROCEDURE//")).then(pl.lit("PROCEDURE//START//") + item)
+            .when(pl.col("code") == "DEATH").then(pl.lit("MEDS_DEATH"))
+            .otherwise(pl.col("code")))
+    body = (ev.filter(~pl.col("code").str.starts_with("ICU_"))
+            .select("subject_id", "time", code.alias("code"), pl.col("numeric_value").cast(pl.Float32)))
+    icu = pl.concat([
+        stays.select("subject_id", pl.col("intime").alias("time"),
+                     (pl.lit("ICU_ADMISSION//") + pl.col("first_careunit")).alias("code")),
+        stays.select("subject_id", pl.col("outtime").alias("time"),
+                     (pl.lit("ICU_DISCHARGE//") + pl.col("first_careunit")).alias("code"))]).with_columns(
+        pl.lit(None, dtype=pl.Float32).alias("numeric_value"))
+    people = stays.sort("intime").unique("subject_id", keep="first")
+    static = pl.concat([
+        people.select("subject_id", pl.datetime(pl.col("intime").dt.year() - pl.col("anchor_age"), 1, 1)
+                      .alias("time"), pl.lit("MEDS_BIRTH").alias("code")),
+        people.select("subject_id", pl.lit(None, dtype=pl.Datetime("us")).alias("time"),
+                      (pl.lit("GENDER//") + pl.col("gender")).alias("code"))]).with_columns(
+        pl.lit(None, dtype=pl.Float32).alias("numeric_value"))
+    allrows = pl.concat([body, icu.with_columns(pl.col("time").cast(pl.Datetime("us"))),
+                         static.with_columns(pl.col("time").cast(pl.Datetime("us")))])
+    (out / "data" / "train").mkdir(parents=True)
+    (out / "metadata").mkdir()
+    for k, part in enumerate((allrows.filter(pl.col("subject_id") % 2 == r) for r in (0, 1))):
+        part.sort("subject_id", "time", nulls_last=False).write_parquet(out / "data" / "train" / f"{k}.parquet")
+    (out / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "etl-shaped", "meds_version": "0.4"}))
+    return out
+
+
+def test_the_store_is_a_valid_meds_dataset(ws):
+    assert validate_dataset(ws.store) == []
+    assert len(shard_files(ws.store)) > 1
+    meta = json.loads((ws.store / meds.dataset_metadata_filepath).read_text())
+    assert meta["etl_name"] == "forgetful" and meta["meds_version"] == meds.__version__
+    splits = pl.read_parquet(ws.store / meds.subject_splits_filepath)
+    assert set(splits["split"]) == {meds.train_split, meds.held_out_split}
+    assert splits["subject_id"].n_unique() == splits.height == scan_events(ws.store).select(
+        pl.col("subject_id").n_unique()).collect().item()
+    for shard in shard_files(ws.store):            # MEDS: a subject in one shard, contiguous and in time order
+        frame = pl.read_parquet(shard)
+        assert frame.equals(frame.sort("subject_id", "time", "code", "event_hash", "occurrence"))
+    codes = pl.read_parquet(ws.store / meds.code_metadata_filepath)
+    assert codes["code"].n_unique() == codes.height and codes["count"].sum() == scan_events(ws.store).select(
+        pl.len()).collect().item()
+
+
+def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
+    files = sorted(ws.labels.glob("*.parquet"))
+    assert {f.stem for f in files} == set(load_config()["token_labels"])
+    for f in files:
+        table = pq.read_table(f)
+        meds.LabelSchema.validate(table)
+        assert table.num_rows > 0
+    stays = pl.read_parquet(ws.store / "stays.parquet")
+    first = pl.read_parquet(files[0]).join(stays.select("subject_id", "intime").group_by("subject_id").min(),
+                                           on="subject_id")
+    # each token's label is dated at the end of its hour, after the stay began
+    assert (first["prediction_time"] > first["intime"]).all()
+    copy = Workspace(shutil.copytree(ws.root, tmp_path / "copy"))
+    sid = int(pl.read_parquet(files[0])["subject_id"][0])
+    cert, _ = delete_subject(copy, sid)
+    assert cert["removed"]["label_rows"] > 0 and not any(scan_subject(copy, sid)[0].values())
+    assert cert["residual_scan"]["rows_remaining"] == 0 and "labels" in cert["residual_scan"]["scanned"]
+    for f in sorted(copy.labels.glob("*.parquet")):
+        assert sid not in pl.read_parquet(f)["subject_id"].to_list()
+    assert sid not in pl.read_parquet(copy.store / meds.subject_splits_filepath)["subject_id"].to_list()
+    assert validate_dataset(copy.store) == []
+
+
+def test_a_meds_dataset_runs_end_to_end_like_the_csv_source(ws, tmp_path):
+    src = _as_etl(ws.store, tmp_path / "etl")
+    out = tmp_path / "store"
+    summary = extract(src, out, stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    assert validate_dataset(out) == []
+    stays, mine = pl.read_parquet(out / "stays.parquet"), pl.read_parquet(ws.store / "stays.parquet")
+    assert stays.height == mine.height
+    assert stays.select("subject_id", "intime", "outtime", "gender").sort("subject_id", "intime").equals(
+        mine.select("subject_id", "intime", "outtime", "gender").sort("subject_id", "intime"))
+    events = scan_events(out).collect()
+    assert summary.total_events == events.height and events.filter(pl.col("code").str.starts_with("GENDER//")) \
+        .height == mine["subject_id"].n_unique()        # static events (no time) are kept
+    assert events.filter(pl.col("code").str.starts_with("LAB//220045//"))["stay_id"].null_count() == 0
+    # the same tokens, labels and streams as the CSV source's under the default config
+    ours, _, ours_summary = prepare_token_streams(ws.store, load_config())
+    theirs, _, theirs_summary = prepare_token_streams(out, MEDS_CONFIG, labels_dir=tmp_path / "labels")
+    assert theirs_summary["tokens"] == ours_summary["tokens"] and len(theirs) == len(ours)
+    for name in load_config()["token_labels"]:
+        if name != "rare_items":     # rare codes depend on the code vocabulary, which differs by construction
+            assert theirs_summary[f"eval_tokens_{name}"] == ours_summary[f"eval_tokens_{name}"], name
+    again = extract(src, out, stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    assert again.new_events == 0 and all(t.get("skipped") for t in again.tables.values())
+
+
+def test_a_meds_source_missing_its_metadata_or_with_a_wrong_type_is_named(ws, tmp_path):
+    src = _as_etl(ws.store, tmp_path / "etl")
+    (src / "metadata" / "dataset.json").unlink()
+    with pytest.raises(ExtractionError, match=r"etl: a MEDS dataset needs metadata/dataset.json"):
+        extract(src, tmp_path / "o1")
+    assert not (tmp_path / "o1").exists()
+    (src / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "x"}))
+    shard = src / "data" / "train" / "0.parquet"
+    pl.read_parquet(shard).with_columns(pl.col("subject_id").cast(pl.String)).write_parquet(shard)
+    with pytest.raises(ExtractionError, match=r"0.parquet: column 'subject_id' is (string|large_string), MEDS "
+                                              r"wants int64"):
+        extract(src, tmp_path / "o2")
+    assert not (tmp_path / "o2").exists()
+
+
+def test_aces_style_predicates_match_codes_and_values():
+    frame = pl.DataFrame({"code": ["LAB//220045//bpm", "LAB//220045//UNK", "CHART//220045", "LAB//50813//mmol/L"],
+                          "numeric_value": [120.0, 65.0, 64.0, 4.5]})
+    assert frame.filter(code_expr({"regex": "^LAB//220045//"}))["numeric_value"].to_list() == [120.0, 65.0]
+    assert frame.filter(code_expr({"any": ["CHART//220045", {"regex": "50813"}]})).height == 2
+    assert frame.filter(code_expr(["CHART//220045"]) | code_expr("LAB//220045//bpm")).height == 2
+    assert matching_codes([{"regex": "^LAB//"}, "ABSENT"], frame["code"].to_list()) == [
+        "ABSENT", "LAB//220045//UNK", "LAB//220045//bpm", "LAB//50813//mmol/L"]
+    bounds = {"value_min": 65, "value_max": 120, "value_max_inclusive": False}
+    assert frame.filter(value_expr(bounds))["numeric_value"].to_list() == [65.0]
+    assert frame.filter(value_expr({"below": 65}))["numeric_value"].to_list() == [64.0, 4.5]
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="shared/data/mimic-iv-demo is not present on this machine")
+def test_the_demo_store_validates_with_meds(tmp_path):
+    extract(DEMO, tmp_path / "store")
+    assert validate_dataset(tmp_path / "store") == []
