@@ -1,6 +1,14 @@
-"""Extraction throughput at scale: a large MIMIC-shaped directory, then events/s and peak memory.
+"""Extraction throughput at scale, and coverage and speed against the community MEDS ETL on the demo.
 
     python bench/extract_bench.py [--events 20000000] [--memory-limit 4GB]
+    python bench/extract_bench.py --demo [--etl-command CMD]
+
+``--demo``: extracts ``shared/data/mimic-iv-demo`` (wall time and peak RSS in a child process) and counts its
+events per code family against a reference MEDS dataset, by default the demo's published MEDS conversion
+(``shared/data/mimic-iv-demo-meds``), each family mapped to the reference's names. ``--etl-command`` runs the
+community ETL (MIMIC-IV-MEDS with meds-extract; it pins polars < 2, so it lives in its own environment) side by
+side: a shell command with ``{src}`` and ``{out}`` placeholders, timed on the same machine in the same run, whose
+output then becomes the reference. Without it that side is skipped, saying so.
 
 The small tables (patients, admissions, icustays, d_items, ...) come from the embedded generator; chartevents
 and labevents are then replaced by DuckDB-synthesised tables of the requested size over the same stays (the
@@ -68,13 +76,95 @@ def synthesize(src, n_events, patients):
     con.close()
 
 
+# our code family -> the community ETL's (a family: the code up to its first "//"; MIMIC-IV-MEDS names)
+FAMILY_TO_ETL = {
+    "CHART": "LAB", "LAB": "LAB", "EMAR": "MEDICATION", "PRESCRIPTION": "MEDICATION", "INPUT": "INFUSION_START",
+    "INPUT_END": "INFUSION_END", "WEIGHT_AT_INFUSION": "SUBJECT_WEIGHT_AT_INFUSION", "OUTPUT": "SUBJECT_FLUID_OUTPUT",
+    "DIAGNOSIS": "DIAGNOSIS", "PROCEDURE": "PROCEDURE", "PROCEDURE_END": "PROCEDURE", "TRANSFER": "TRANSFER_TO",
+    "OMR": "OMR", "DRG": "DRG", "HOSPITAL_ADMISSION": "HOSPITAL_ADMISSION", "HOSPITAL_DISCHARGE": "HOSPITAL_DISCHARGE",
+    "ED_REGISTRATION": "ED_REGISTRATION", "ED_OUT": "ED_OUT", "ICU_ADMISSION": "ICU_ADMISSION",
+    "ICU_DISCHARGE": "ICU_DISCHARGE", "GENDER": "GENDER", "MEDS_BIRTH": "MEDS_BIRTH", "DEATH": "MEDS_DEATH",
+    "HCPCS": "HCPCS",
+}
+# the ETL writes outpatient measurements (omr) under their result names
+ETL_OMR = ("Blood Pressure", "Weight (Lbs)", "BMI (kg/m2)", "Height (Inches)", "eGFR")
+
+
+def _families(frame, column, mapping=None):
+    import polars as pl
+    fam = pl.col(column).str.split("//").list.first()
+    if mapping is None:   # the reference's own names, its omr result names folded into one family
+        fam = pl.when(pl.col(column).str.starts_with(ETL_OMR[0]) | pl.col(column).is_in(ETL_OMR[1:])) \
+            .then(pl.lit("OMR")).otherwise(fam)
+    else:
+        fam = fam.replace_strict(mapping, default="(ours only)")
+    return frame.group_by(fam.alias("family")).agg(pl.len().alias("events"), pl.col(column).n_unique().alias("codes"))
+
+
+def demo(args):
+    import polars as pl
+    src = ROOT.parent / "shared" / "data" / "mimic-iv-demo"
+    if not src.exists():
+        print(f"skipped: {src} is not present on this machine")
+        return 0
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="extract-demo-"))
+    out = work / "store"
+    code = (f"import json,sys,resource; sys.path.insert(0, {str(ROOT)!r}); from pipeline.extract import extract; "
+            f"s = extract({str(src)!r}, {str(out)!r}, memory_limit={args.memory_limit!r}); "
+            f"print(json.dumps({{'events': s.total_events, "
+            f"'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+            f"'quarantined': {{t: v.get('quarantined', {{}}) for t, v in s.tables.items()}}}}))")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    ours_s = time.perf_counter() - t0
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        return proc.returncode
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref_events, ref_name, etl_s = _reference(args, src, work)
+    mine = pl.scan_parquet(out / "data" / "*.parquet").select("code").collect()
+    table = _families(mine, "code", FAMILY_TO_ETL).join(
+        _families(ref_events, "code"), on="family", how="full", suffix="_ref", coalesce=True).sort("family")
+    print(f"ours: {ours['events']:,} events, {mine['code'].n_unique():,} codes in {ours_s:.1f} s wall, "
+          f"peak RSS {ours['rss_mb']:,.0f} MiB")
+    print(f"reference ({ref_name}): {ref_events.height:,} events, {ref_events['code'].n_unique():,} codes"
+          + (f" in {etl_s:.1f} s wall: ours is {etl_s / ours_s:.1f}x faster" if etl_s else ""))
+    print(f"{'family (reference name)':32s} {'ours':>9s} {'reference':>10s} {'ours/ref':>9s}")
+    for r in table.iter_rows(named=True):
+        ratio = f"{r['events'] / r['events_ref']:.3f}" if r["events"] and r["events_ref"] else "-"
+        print(f"{r['family']:32s} {r['events'] or 0:>9,} {r['events_ref'] or 0:>10,} {ratio:>9s}")
+    q = {f"{table}:{reason}": n for table, v in ours["quarantined"].items() for reason, n in v.items() if n}
+    print("quarantined (explains ours < reference):", ", ".join(f"{k} {n:,}" for k, n in sorted(q.items())) or "none")
+    return 0
+
+
+def _reference(args, src, work):
+    """(reference events with a code column, its name, the ETL's wall seconds or None)."""
+    import polars as pl
+    if args.etl_command:
+        etl_out = work / "etl"
+        t0 = time.perf_counter()
+        subprocess.run(args.etl_command.format(src=src, out=etl_out), shell=True, check=True)
+        etl_s = time.perf_counter() - t0
+        return (pl.scan_parquet(etl_out / "data" / "**" / "*.parquet").select("code").collect(),
+                "the community ETL, run now", etl_s)
+    print("the community ETL was not run (no --etl-command: MIMIC-IV-MEDS with meds-extract pins polars < 2 and "
+          "needs its own environment); comparing with the demo's published MEDS conversion instead")
+    ref = ROOT.parent / "shared" / "data" / "mimic-iv-demo-meds" / "mimic_iv_demo_meds_events.parquet"
+    return pl.read_parquet(ref, columns=["code"]), "the demo's published MEDS conversion", None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--demo", action="store_true", help="coverage and speed against the community ETL on the demo")
+    ap.add_argument("--etl-command", default=None, help="shell command running the community ETL ({src}, {out})")
     ap.add_argument("--events", type=int, default=20_000_000)
     ap.add_argument("--patients", type=int, default=2000)
     ap.add_argument("--memory-limit", default="4GB")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
+    if args.demo:
+        return demo(args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="extract-bench-"))
     src, out = work / "src", work / "store"
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, event_selects,
-                            quarantine_reason, sql_literal, ts)
+                            dictionary_selects, quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, codes_metadata_path,
                    events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files, shard_of, stage_meds,
                    write_codes_metadata, write_dataset_metadata, write_shard)
@@ -239,7 +239,7 @@ def _stage(con, paths, changed) -> None:
                 "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
     for table, info in changed.items():
         try:
-            con.execute(f"CREATE OR REPLACE TEMP VIEW t AS SELECT * FROM {csv_reader(info['path'])}")
+            con.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
             info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
             for q in event_selects(table):
                 con.execute(f"INSERT INTO staged SELECT *, ? FROM ({q})", [table])
@@ -412,25 +412,19 @@ def _atomic_write(path, text):
 
 
 def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:
-    """(code, description, parent_codes) known for the source's codes: MIMIC-IV's d_items / d_labitems labels
-    (each item's d_items category as its parent), or a MEDS source's own codes metadata."""
+    """(code, description, parent_codes) known for the source's codes: from MIMIC-IV's dictionaries
+    (:func:`pipeline.extract_rules.dictionary_selects`), or a MEDS source's own codes metadata."""
     if not paths:
         meta = read_codes_metadata(source)
         return None if meta is None else meta.select(
             "code", "description", pl.col("parent_codes").cast(pl.List(pl.String)))
-    frames = []
-    for table, prefixes in (("d_items", ("CHART", "INPUT", "OUTPUT", "PROCEDURE")), ("d_labitems", ("LAB",))):
-        if table in paths:
-            category = "category" if table == "d_items" else "NULL"
-            d = pl.from_arrow(con.sql(f"SELECT itemid, label, {category} AS category "
-                                      f"FROM {csv_reader(paths[table])}").arrow())
-            for pre in prefixes:
-                frames.append(d.select(
-                    (pl.lit(pre + "//") + pl.col("itemid")).alias("code"), pl.col("label").alias("description"),
-                    pl.when(pl.col("category").is_not_null())
-                    .then(pl.concat_list(pl.lit("MIMIC_IV_ITEM_CATEGORY//") + pl.col("category")))
-                    .otherwise(pl.lit(None, dtype=pl.List(pl.String))).alias("parent_codes")))
-    return pl.concat(frames).unique("code", keep="first") if frames else None
+    frames = [pl.from_arrow(con.sql(q).arrow()) for table, q in dictionary_selects(paths).items() if table in paths]
+    if not frames:
+        return None
+    return (pl.concat(frames).unique("code", keep="first")
+            .with_columns(pl.when(pl.col("parent").is_not_null()).then(pl.concat_list("parent"))
+                          .otherwise(pl.lit(None, dtype=pl.List(pl.String))).alias("parent_codes"))
+            .drop("parent"))
 
 
 def _write_metadata(con, out: Path, source: Path, paths: dict) -> None:

@@ -41,7 +41,8 @@ EVENT_SCHEMA = pa.schema([
     ("text_value", pa.large_string()), ("unit", pa.string()), ("hadm_id", pa.int64()), ("stay_id", pa.int64()),
     ("source_table", pa.string()), ("event_hash", pa.string()), ("occurrence", pa.int64())])
 EVENT_COLUMNS = EVENT_SCHEMA.names
-SHARD_ORDER = "subject_id, time, code, event_hash, occurrence"
+SHARD_SORT = ["subject_id", "time", "code", "event_hash", "occurrence"]   # static (no time) rows first
+SHARD_ORDER = "subject_id, time NULLS FIRST, code, event_hash, occurrence"  # the same order in SQL
 CODE_COLUMNS = ("code", "description", "parent_codes", "count", "source_table")   # metadata/codes.parquet
 
 
@@ -80,7 +81,7 @@ def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: 
 
 def write_frame_shard(frame: pl.DataFrame, path: Path) -> None:
     """A shard from a data frame (a deletion's rewrite of one shard), sorted and with the MEDS schema."""
-    table = frame.sort(SHARD_ORDER.split(", ")).select(EVENT_COLUMNS).to_arrow().cast(EVENT_SCHEMA)
+    table = frame.sort(SHARD_SORT, nulls_last=False).select(EVENT_COLUMNS).to_arrow().cast(EVENT_SCHEMA)
     _atomic_table(table, Path(path))
 
 
@@ -292,7 +293,8 @@ def _derive_stays(con: duckdb.DuckDBPyConnection, shards: list[Path], codes: Med
              sex AS (SELECT subject_id, any_value(regexp_replace(code, ?, '')) AS gender FROM marks
                      WHERE regexp_matches(code, ?) GROUP BY 1)
         SELECT a.subject_id * 1000 + a.k AS stay_id, a.subject_id, NULL::BIGINT AS hadm_id, a.first_careunit,
-               a.intime, d.outtime, CAST(floor(date_diff('day', b.born, a.intime) / 365.2425) AS BIGINT) AS anchor_age, s.gender
+               a.intime, d.outtime, CAST(floor(date_diff('day', b.born, a.intime) / 365.2425) AS BIGINT) AS anchor_age,
+               s.gender
         FROM adm a ASOF LEFT JOIN dis d ON a.subject_id = d.subject_id AND d.outtime >= a.intime
         LEFT JOIN birth b ON a.subject_id = b.subject_id LEFT JOIN sex s ON a.subject_id = s.subject_id""",
                 [codes.admission, codes.admission, codes.discharge, codes.birth, codes.sex, codes.sex])

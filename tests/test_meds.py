@@ -48,7 +48,9 @@ def _as_etl(store: Path, out: Path) -> Path:
             .when(pl.col("code").str.starts_with("PROCEDURE//")).then(pl.lit("PROCEDURE//START//") + item)
             .when(pl.col("code") == "DEATH").then(pl.lit("MEDS_DEATH"))
             .otherwise(pl.col("code")))
-    body = (ev.filter(~pl.col("code").str.starts_with("ICU_"))
+    # stays, sex and birth are written below as the ETL writes them (birth: age at the first stay = anchor_age)
+    body = (ev.filter(~pl.col("code").str.starts_with("ICU_") & ~pl.col("code").str.starts_with("GENDER//")
+                      & (pl.col("code") != "MEDS_BIRTH"))
             .select("subject_id", "time", code.alias("code"), pl.col("numeric_value").cast(pl.Float32)))
     icu = pl.concat([
         stays.select("subject_id", pl.col("intime").alias("time"),

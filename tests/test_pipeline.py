@@ -42,7 +42,7 @@ def test_generator_is_deterministic(tmp_path):
 
 def test_row_counts_per_source_table_match_the_input(source, store):
     _, summary = store
-    single_row_tables = ["transfers", "labevents", "chartevents", "inputevents", "outputevents", "procedureevents"]
+    single_row_tables = ["transfers", "labevents", "chartevents", "outputevents"]
     for t in single_row_tables:
         folder = "hosp" if t in ("transfers", "labevents") else "icu"
         n = csv_rows(source / folder / f"{t}.csv.gz")
@@ -52,10 +52,19 @@ def test_row_counts_per_source_table_match_the_input(source, store):
     counts = scan_events(store[0]).group_by("source_table").len().collect()
     for t in single_row_tables:
         assert counts.filter(pl.col("source_table") == t)["len"].item() == summary.tables[t]["events"]
-    # admissions: admission + discharge + one death per deceased patient
+    # infusions and procedures: one start event per row (and end events, and the charted weight, beside them)
+    rejected = sorted((store[0] / "quarantine").glob("*.parquet"))
+    quarantine = pl.read_parquet(rejected) if rejected else pl.DataFrame({"code": []}, schema={"code": pl.String})
+    for t, start in (("inputevents", "INPUT//"), ("procedureevents", "PROCEDURE//")):
+        n = csv_rows(source / "icu" / f"{t}.csv.gz")
+        starts = scan_events(store[0]).filter(pl.col("code").str.starts_with(start)).select(pl.len()).collect().item()
+        assert summary.tables[t]["rows"] == n
+        assert starts + quarantine.filter(pl.col("code").str.starts_with(start)).height == n
+    # admissions: admission + discharge + one death per deceased patient + ED registration and exit when charted
     adm = pl.read_csv(source / "hosp" / "admissions.csv.gz", infer_schema_length=0)
-    deaths = adm.filter(pl.col("deathtime").is_not_null() & (pl.col("deathtime") != "")).height
-    assert summary.tables["admissions"]["events"] == 2 * adm.height + deaths
+    charted = [adm.filter(pl.col(c).is_not_null() & (pl.col(c) != "")).height
+               for c in ("deathtime", "edregtime", "edouttime")]
+    assert summary.tables["admissions"]["events"] == 2 * adm.height + sum(charted)
 
 
 def test_each_stream_comes_back_in_time_order(store):
@@ -211,9 +220,12 @@ def test_event_keys_are_deterministic_and_standardised(store):
 @pytest.mark.skipif(not DEMO.exists(), reason="shared/data/mimic-iv-demo is not present on this machine")
 def test_extraction_on_the_mimic_iv_demo(tmp_path):
     s = extract(DEMO, tmp_path / "demo")
-    for t in ("labevents", "chartevents", "inputevents", "outputevents", "procedureevents"):
+    for t in ("labevents", "chartevents", "outputevents", "emar", "diagnoses_icd", "omr", "microbiologyevents"):
         info = s.tables[t]
         assert info["events"] + info["quarantined_total"] == info["rows"]
+    # two events per infusion and procedure (start, end) with a quarantined row's pair counted as it is
+    for t in ("inputevents", "procedureevents"):
+        assert s.tables[t]["events"] + s.tables[t]["quarantined_total"] >= 2 * s.tables[t]["rows"]
     assert s.tables["chartevents"]["rows"] == 668_862
     assert s.tables["labevents"]["rows"] == 107_727
     cfg = load_config()
