@@ -8,7 +8,7 @@ import pytest
 
 from flows.cli import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args):

@@ -9,6 +9,7 @@ import pytest
 from cohorts.evaluation import EventStream, aggregate, bootstrap_ci, run_sweep, score_stay, sign_flip_p
 from memory.policies import POLICIES, Recency, ReservoirRandom, ResidualRetention, SoftmaxHeavyHitter, SVSelection
 from reports.html import render_report
+from tests.builders import hand_stay
 
 
 def cloud_with_outliers(n=200, d=4, seed=0):
@@ -74,17 +75,6 @@ def test_residual_retention_keeps_the_worst_predicted():
     novel = np.array([0.0, 1.0, 0.0])
     pol.learn_one(novel, novel * 5, 30)
     assert 30 in pol.kept()
-
-
-def hand_stay():
-    # 12 events over 4 hours; hours 1 and 3 deteriorate; event 5 is rare.
-    keys = np.zeros((12, 2))
-    keys[:, 0] = np.arange(12) * 0.01
-    hours = np.repeat(np.arange(4), 3)
-    det = np.isin(hours, [1, 3])
-    rare = np.zeros(12, dtype=bool)
-    rare[5] = True
-    return EventStream(stay_id=1, subject_id=None, keys=keys, hours=hours, deteriorating=det, rare=rare)
 
 
 def test_metrics_on_a_hand_built_stay():

@@ -14,7 +14,7 @@ from pipeline.extract import ExtractionError, UnknownSubjectError, extract, read
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.keys import KEY_DIM, EventKeyer
 
-DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mimic-iv-demo"
+DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo"
 
 
 def csv_rows(path):

@@ -20,7 +20,7 @@ from pipeline.meds import MedsStayCodes, shard_files, validate_dataset
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
 
-DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mimic-iv-demo"
+DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo"
 MEDS_CONFIG = load_config(resolve_config("mimic-iv-meds"))
 
 

@@ -21,7 +21,7 @@ from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
 from tests.workspaces import copy_ws, ref, subject_with_memory_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20, tokens="events")
 
 

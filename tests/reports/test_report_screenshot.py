@@ -3,13 +3,11 @@ import shutil
 import struct
 import subprocess
 import zlib
-from dataclasses import replace
 
 import pytest
 
-from cohorts.evaluation import aggregate, run_sweep
 from reports.html import render_report
-from tests.test_evaluation_report import hand_stay
+from tests.builders import hand_result
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -51,13 +49,6 @@ def png_rows(path):
         rows.append(bytes(line))
         prev = line
     return width, height, channels, rows
-
-
-def hand_result():
-    stays = [replace(hand_stay(), stay_id=i, keys=hand_stay().keys + i * 0.1) for i in range(4)]
-    summary, paired = aggregate(run_sweep(stays, budgets=(4, 8, 32), fractions=(0.5,), workers=1))
-    return {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
-            "metadata": {"data_source": "hand-built"}}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed on this machine")

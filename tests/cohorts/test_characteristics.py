@@ -8,6 +8,7 @@ import polars as pl
 from cohorts.characteristics import Count, Spread, describe_cohort
 from cohorts.provenance import provenance
 from reports.html import render_report
+from tests.builders import hand_result
 
 T0 = datetime(2150, 1, 1)
 CFG = {"cohort": {"min_age": 18, "min_stay_hours": 12, "death_codes": ["DEATH"]},
@@ -77,7 +78,6 @@ def test_provenance_names_files_code_packages_and_config(tmp_path):
 
 
 def test_report_shows_the_cohort_and_provenance_and_keeps_them_in_its_json(tmp_path):
-    from tests.test_report_screenshot import hand_result
     result = hand_result()
     result["cohort"]["characteristics"] = describe_cohort(tmp_path, CFG, cohort(), events(), labelled())
     (tmp_path / "store").mkdir()

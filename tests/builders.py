@@ -1,0 +1,24 @@
+"""Hand-built inputs the tests of several packages share: a small events-mode stream and a report's result."""
+from dataclasses import replace
+
+import numpy as np
+
+from cohorts.evaluation import EventStream, aggregate, run_sweep
+
+
+def hand_stay():
+    # 12 events over 4 hours; hours 1 and 3 deteriorate; event 5 is rare.
+    keys = np.zeros((12, 2))
+    keys[:, 0] = np.arange(12) * 0.01
+    hours = np.repeat(np.arange(4), 3)
+    det = np.isin(hours, [1, 3])
+    rare = np.zeros(12, dtype=bool)
+    rare[5] = True
+    return EventStream(stay_id=1, subject_id=None, keys=keys, hours=hours, deteriorating=det, rare=rare)
+
+
+def hand_result():
+    stays = [replace(hand_stay(), stay_id=i, keys=hand_stay().keys + i * 0.1) for i in range(4)]
+    summary, paired = aggregate(run_sweep(stays, budgets=(4, 8, 32), fractions=(0.5,), workers=1))
+    return {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
+            "metadata": {"data_source": "hand-built"}}
