@@ -17,7 +17,6 @@ its peak resident memory is measured on its own.
 """
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -101,6 +100,23 @@ def _families(frame, column, mapping=None):
     return frame.group_by(fam.alias("family")).agg(pl.len().alias("events"), pl.col(column).n_unique().alias("codes"))
 
 
+def _extract_in_child(src, out, memory_limit):
+    """Extraction in its own process, so that its peak resident memory is its own: (its figures, wall
+    seconds), or (None, the exit code) after printing what failed."""
+    code = (f"import json,sys,resource; sys.path.insert(0, {str(ROOT)!r}); from pipeline.extract import extract; "
+            f"s = extract({str(src)!r}, {str(out)!r}, memory_limit={memory_limit!r}); "
+            f"print(json.dumps({{'events': s.total_events, "
+            f"'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+            f"'quarantined': {{t: v.get('quarantined', {{}}) for t, v in s.tables.items()}}}}))")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        return None, proc.returncode
+    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+
+
 def demo(args):
     import polars as pl
     src = ROOT.parent / "shared" / "data" / "mimic-iv-demo"
@@ -109,18 +125,9 @@ def demo(args):
         return 0
     work = Path(args.workdir or tempfile.mkdtemp(prefix="extract-demo-"))
     out = work / "store"
-    code = (f"import json,sys,resource; sys.path.insert(0, {str(ROOT)!r}); from pipeline.extract import extract; "
-            f"s = extract({str(src)!r}, {str(out)!r}, memory_limit={args.memory_limit!r}); "
-            f"print(json.dumps({{'events': s.total_events, "
-            f"'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
-            f"'quarantined': {{t: v.get('quarantined', {{}}) for t, v in s.tables.items()}}}}))")
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    ours_s = time.perf_counter() - t0
-    if proc.returncode:
-        print(proc.stderr, file=sys.stderr)
-        return proc.returncode
-    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours, ours_s = _extract_in_child(src, out, args.memory_limit)
+    if ours is None:
+        return ours_s
     ref_events, ref_name, etl_s = _reference(args, src, work)
     mine = pl.scan_parquet(out / "data" / "*.parquet").select("code").collect()
     table = _families(mine, "code", FAMILY_TO_ETL).join(
@@ -170,17 +177,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     synthesize(src, args.events, args.patients)
     t_gen = time.perf_counter() - t0
-    code = (f"import json,sys; sys.path.insert(0, {str(ROOT)!r}); from pipeline.extract import extract; "
-            f"s = extract({str(src)!r}, {str(out)!r}, memory_limit={args.memory_limit!r}); "
-            f"print(json.dumps({{'events': s.total_events, 'seconds': s.seconds}}))")
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        print(proc.stderr, file=sys.stderr)
-        return proc.returncode
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    res, wall = _extract_in_child(src, out, args.memory_limit)
+    if res is None:
+        return wall
+    peak_mb = res["rss_mb"]
     print(f"synthesised {args.events:,} lab+chart rows over {args.patients} patients in {t_gen:.1f} s ({work})")
     print(f"extracted {res['events']:,} events in {wall:.1f} s: {res['events'] / wall:,.0f} events/s, "
           f"peak RSS {peak_mb:,.0f} MiB (DuckDB memory_limit {args.memory_limit})")
