@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "a MEDS dataset)", formatter_class=fmt)
     ex.add_argument("--source", required=True, help="MIMIC-IV directory (hosp/, icu/) or MEDS dataset "
                                                     "(metadata/dataset.json, data/)")
-    ex.add_argument("--config", default=None, help="cohort config whose meds_source section says how a MEDS "
-                                                   "source's ICU stays are read (default: the ETL's conventions)")
+    ex.add_argument("--config", default=None, help="cohort config (a shipped name or a YAML path) whose meds_source "
+                                                   "section says how a MEDS source's ICU stays are read; none: the "
+                                                   "MIMIC-IV MEDS ETL's conventions")
     ex.add_argument("--out", required=True, help="event store folder (created or updated incrementally)")
     ex.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (spills to disk past it)")
     for name, help_ in (("run", "main job: ingest -> both protocols -> cohort memory -> HTML report"),
