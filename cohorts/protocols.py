@@ -126,9 +126,8 @@ def streaming_sv(X: np.ndarray, budget: int, settings: StreamingSettings, save_t
     if save_to is not None:
         pol.memory.save(save_to)
     extra = {}
-    evictions = pol.certified + pol.uncertified
-    if evictions:
-        extra["certified_fraction"] = pol.certified / evictions
+    if pol.certified + pol.uncertified:    # no row at all for a stream that never evicted
+        extra["certified_fraction"] = pol.certified_fraction
     if pol.certified_ids:
         active = exact_alpha(X, pol.C, settings.gamma) > 0.0
         extra["certificate_expiry"] = float(active[np.array(pol.certified_ids)].mean())

@@ -26,8 +26,9 @@ from .svmemory import SVMemory
 
 class SVSelection:
     name = "sv_certified"
+    key_source = "event"   # which keys of a stream it reads: the event keys, or the learned ones
 
-    def __init__(self, budget: int, gamma: float = 0.5, nu: float = 0.5, memory: SVMemory | None = None):
+    def __init__(self, budget: int, gamma: float = 0.5, nu: float = 0.5, memory: SVMemory | None = None, **_):
         self.budget = int(budget)
         self.nu = nu
         self.C = 1.0 / (nu * self.budget)
@@ -54,10 +55,17 @@ class SVSelection:
     def kept(self) -> set:
         return set(self.memory.token_ids())
 
+    @property
+    def certified_fraction(self) -> float:
+        """Certified evictions / all evictions (1.0 before the first eviction)."""
+        total = self.certified + self.uncertified
+        return self.certified / total if total else 1.0
+
 
 class SVLearnedSelection(SVSelection):
     """SV certified selection over learned event keys (``memory.encoder``); same rule, other keys."""
     name = "sv_learned"
+    key_source = "learned"
 
 
 class Recency:
