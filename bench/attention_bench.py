@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memory import SVMemory, verify_against_refit  # noqa: E402
 from cohorts.encoder_data import encode, training_windows  # noqa: E402
+from memory import SVMemory, verify_against_refit  # noqa: E402
 from memory.encoder import default_device, train_encoder  # noqa: E402
 from memory.torch_layer import SVAttention, approximation_gap  # noqa: E402
 

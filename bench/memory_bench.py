@@ -13,9 +13,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sklearn.svm import OneClassSVM  # noqa: E402
+
 from memory import SVMemory, verify_against_refit  # noqa: E402
 from memory.kernels import rbf  # noqa: E402
-from sklearn.svm import OneClassSVM  # noqa: E402
 
 D = 6
 GAMMA = 0.25

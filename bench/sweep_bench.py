@@ -29,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cohorts.definitions import load_config  # noqa: E402
-from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, balanced_chunks, run_sweep,  # noqa: E402
-                                score_stay)
+from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, balanced_chunks, run_sweep, score_stay  # noqa: E402
 from cohorts.protocols import (STREAMING_POLICIES, StreamingSettings, online_kept,  # noqa: E402
                                score_token_streams, streaming_sv)
 from cohorts.runs import prepare_token_streams, update_cohort_memory  # noqa: E402

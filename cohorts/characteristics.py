@@ -5,8 +5,8 @@ rows (the patients row counts each once).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import polars as pl
 

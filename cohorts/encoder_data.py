@@ -5,6 +5,7 @@ The model and its training loop live in :mod:`memory.encoder` and see arrays onl
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
 import numpy as np
 import polars as pl
 import torch
@@ -15,8 +16,9 @@ from pipeline.keys import EventKeyer
 from .definitions import build_cohort, label_events, stay_events
 
 if TYPE_CHECKING:
-    from memory.encoder import EventEncoder
     from pathlib import Path
+
+    from memory.encoder import EventEncoder
 
 
 def event_features(events: pl.DataFrame, keyer: EventKeyer) -> np.ndarray:

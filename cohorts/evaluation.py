@@ -17,10 +17,10 @@ bootstrap CI and a two-sided sign-flip permutation p-value (10,000 resamples, se
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 

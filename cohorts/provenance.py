@@ -1,5 +1,6 @@
 """Where a run's numbers come from: the source files and their checksums, the code, the packages, the config."""
 from __future__ import annotations
+
 import hashlib
 import platform
 import subprocess

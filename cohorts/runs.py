@@ -32,6 +32,7 @@ from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
     from pipeline.workspace import Workspace
 
 # Per-stay SV memories are persisted at this budget (or at the largest fixed budget of a run without it).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
 import numpy as np
 import polars as pl
 
@@ -16,9 +17,10 @@ from .evaluation import EventStream
 from .tokens import build_tokens
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from cohorts.tokens import TokenScaling
     from memory.encoder import EventEncoder
-    from pathlib import Path
 
 
 def evaluation_streams(store: Path, cfg: dict, max_events: int | None = None,

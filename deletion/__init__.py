@@ -14,8 +14,8 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import time
+from typing import TYPE_CHECKING
 
 from pipeline.evidence import load_signing_key, read_log
 from pipeline.locking import workspace_lock

@@ -1,9 +1,9 @@
 """Step: the certificate, its page, its receipt and its entry in the signed log; stale reports stamped."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import json
 import time
+from typing import TYPE_CHECKING
 
 from cohorts.provenance import code_version
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
@@ -11,6 +11,7 @@ from reports.certificate_page import render_certificate_html
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from pipeline.evidence import Log
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace

@@ -5,6 +5,7 @@ a flow would start (a missing source, an unknown or already-deleted subject, an 
 reported in one line with exit 2 (0 for "already deleted") and starts no Prefect server.
 """
 from __future__ import annotations
+
 import argparse
 import json
 import os

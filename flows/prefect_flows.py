@@ -14,8 +14,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE
-from prefect.futures import as_completed
 from prefect.client.schemas.objects import State, TaskRun
+from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from prefect.tasks import Task
 

@@ -6,10 +6,10 @@ report their steps here, so the same code serves both.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import sys
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -48,8 +48,8 @@ def step(name: str, total: int | None = None, unit: str = "items") -> Iterator:
         finish()
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
     columns = [SpinnerColumn(), TextColumn("{task.description}")]
     if total:
         columns += [BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn()]

@@ -5,6 +5,7 @@ buffers; slots freed by deleted atoms are reused. ``seq`` numbers atoms in creat
 in which outputs and digests sum over them, so that a state does not depend on how its atoms occupy slots.
 """
 from __future__ import annotations
+
 import hashlib
 import itertools
 from typing import Hashable, NamedTuple

@@ -9,6 +9,7 @@ fed in ``order_key`` order (ISO time, then event hash and occurrence). ``history
 arrived late (dated before the watermark), which a watermark alone would skip for ever.
 """
 from __future__ import annotations
+
 import hashlib
 import json
 import shutil

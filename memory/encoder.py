@@ -9,8 +9,8 @@ under which those events are support vectors and the routine ones are reserve. R
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 

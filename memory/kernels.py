@@ -1,5 +1,6 @@
 """Kernels with a constant diagonal (needed for the SVDD == one-class SVM mapping)."""
 from __future__ import annotations
+
 import numpy as np
 from scipy.spatial.distance import cdist
 

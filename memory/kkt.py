@@ -11,6 +11,7 @@ Decision value ("g-form", the convention used everywhere in this package)::
 Partition: margin S (0 < a < b, g = 0), bound E (a = b, g <= 0), reserve R (a = 0, g >= 0).
 """
 from __future__ import annotations
+
 from dataclasses import dataclass
 
 import numpy as np

@@ -1,11 +1,11 @@
 """An SV memory's full state in one ``.npz`` file (no pickle): keys, Gram matrix, coefficients, KKT inverse."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 

@@ -16,6 +16,7 @@ Every policy holds at most ``budget`` events; ``learn_one(key, value, token_id)`
 * ``SVLearnedSelection``: SV selection on the keys of a trained encoder (a stream's ``learned_keys``).
 """
 from __future__ import annotations
+
 import heapq
 import math
 

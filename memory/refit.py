@@ -9,8 +9,8 @@ against the refit snapped to an exact KKT point (memory.kkt.solve_exact) from sk
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 

@@ -11,8 +11,8 @@ margin set outgrows its buffers returns new ones) and ``SolverSettings`` (the so
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit

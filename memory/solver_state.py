@@ -6,8 +6,7 @@ code as one argument each instead of 23 positional ones.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 

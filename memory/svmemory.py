@@ -18,10 +18,9 @@ compiled inner loops ``memory.solver_core``; the token/atom registry is ``memory
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import math
 from collections import Counter
-from typing import Hashable, NamedTuple
+from typing import TYPE_CHECKING, Hashable, NamedTuple
 
 import numpy as np
 

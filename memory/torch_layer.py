@@ -19,6 +19,7 @@ batched on any device and dtype, **carries no deletion certificate** (its zeros 
 audit by re-solving frozen keys on the exact path (``approximation_gap``).
 """
 from __future__ import annotations
+
 import numpy as np
 import torch
 

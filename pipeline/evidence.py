@@ -14,6 +14,7 @@
   caught. Whoever holds the workspace but not the signing key cannot re-sign a rewritten log.
 """
 from __future__ import annotations
+
 import hashlib
 import json
 import os

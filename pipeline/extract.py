@@ -32,8 +32,8 @@ import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 
-from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, event_selects,
-                            dictionary_selects, quarantine_reason, sql_literal, table_view, ts)
+from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, dictionary_selects,
+                            event_selects, quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, codes_metadata_path,
                    events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files, shard_of, stage_meds,
                    write_codes_metadata, write_dataset_metadata, write_shard)

@@ -6,6 +6,7 @@ for the common vitals and labs, physiologically plausible values, stays that det
 rising lactate, vasopressor start, invasive ventilation, death) and a few rare items. Same seed, same bytes.
 """
 from __future__ import annotations
+
 import gzip
 from dataclasses import dataclass
 from datetime import datetime, timedelta

@@ -10,8 +10,8 @@ key = [ code embedding (CODE_DIM) * CODE_SCALE | standardised value, has-value f
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl

@@ -1,12 +1,12 @@
 """An exclusive lock on a workspace, shared by scheduled runs and deletions (fcntl.flock on ROOT/.lock)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import fcntl
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

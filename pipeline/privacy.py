@@ -9,13 +9,13 @@ recognise deleted patients.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import hashlib
 import hmac
 import json
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable

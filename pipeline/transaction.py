@@ -7,6 +7,7 @@ discards an uncommitted one, so a crash at any point leaves the full old state o
 new state.
 """
 from __future__ import annotations
+
 import json
 import os
 import shutil

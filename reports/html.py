@@ -3,6 +3,7 @@
 Aggregates only: the report and its JSON hold no subject or stay identifiers.
 """
 from __future__ import annotations
+
 import dataclasses
 import html
 import json

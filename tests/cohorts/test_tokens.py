@@ -9,8 +9,8 @@ import pytest
 
 from cohorts.definitions import is_eval_subject, load_config
 from cohorts.evaluation import aggregate, holm
-from cohorts.protocols import (StreamingSettings, exact_alpha, fixed_context_selections, h2o_proxy_kept,
-                               retrieval, score_fixed_context, streaming_sv, token_streams)
+from cohorts.protocols import (StreamingSettings, exact_alpha, fixed_context_selections, h2o_proxy_kept, retrieval,
+                               score_fixed_context, streaming_sv, token_streams)
 from cohorts.tokens import build_tokens, label_tokens
 from memory.kernels import rbf
 from memory.libsvm import sklearn_fit

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from memory import (InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, SVMemory,
-                    UnknownTokenError, verify_against_refit)
+from memory import (InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError, SVMemory, UnknownTokenError,
+                    verify_against_refit)
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from memory import SolverError, SVMemory, verify_against_refit
-from memory.kkt import solve_exact
 from memory.kernels import rbf
+from memory.kkt import solve_exact
 
 KKT_TOL = 1e-10
 
@@ -57,7 +57,8 @@ def check_maintained_g(mem):
     exact = mem._exact_g()[live]
     assert np.all(np.abs(mem._buf.g[live] - exact) <= mem._g_err + 1e-13)
     tid = mem.token_ids()[0]
-    assert abs(mem.decision_value_of(tid) - exact[list(live).index(mem._atoms.slot_of(tid))]) <= 1e-13 and mem._g_err == 0
+    slot = mem._atoms.slot_of(tid)
+    assert abs(mem.decision_value_of(tid) - exact[list(live).index(slot)]) <= 1e-13 and mem._g_err == 0
 
 
 def check_refit(mem, probes=None):
