@@ -34,9 +34,9 @@ import pyarrow.parquet as pq
 
 from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, dictionary_selects,
                             event_selects, quarantine_reason, sql_literal, table_view, ts)
-from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, codes_metadata_path,
-                   events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files, shard_of, stage_meds,
-                   write_codes_metadata, write_dataset_metadata, write_shard)
+from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
+                   codes_metadata_path, events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files,
+                   shard_of, stage_meds, write_codes_metadata, write_dataset_metadata, write_shard)
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 
 
@@ -361,8 +361,8 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     """
     t0, out, source = time.perf_counter(), Path(out), Path(source)
     # headers only: a missing table, column or metadata file fails before out exists
-    paths, missing = check_source(source)
-    shards = meds_source(source) if not paths else []
+    shards = meds_source(source) if is_meds_dataset(source) else []
+    paths, missing = ({}, []) if shards else check_source(source)
     created, suppressed = _open_store(out, key)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
@@ -393,8 +393,8 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
                 f"SELECT count(*) FROM read_parquet({sql_literal(events_glob(out))})").fetchall()[0][0])
         summary.seconds = time.perf_counter() - t0
         manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events, "tables": sorted(changed)})
-        _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
-        _atomic_write(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
+        atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1))
+        atomic_write_text(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
         return summary
     except (ExtractionError, MedsSourceError) as e:
         if created:                      # a store this call began: nothing of it stays behind
@@ -403,12 +403,6 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
         raise e if isinstance(e, ExtractionError) else ExtractionError(str(e)) from None
     finally:
         con.close()
-
-
-def _atomic_write(path, text):
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:

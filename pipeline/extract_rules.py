@@ -122,8 +122,9 @@ def table_view(table: str, path: Path | str, paths: dict) -> str:
 def event_selects(table: str) -> list:
     """SELECT lists producing (subject_id, raw_time, time, code, numeric_value, text_value, unit, hadm_id,
     stay_id, raw_numeric) from the raw all-varchar table ``t``."""
-    def sel(time_col, code, num, text, unit, stay="stay_id", hadm="hadm_id"):
-        return (f"SELECT {bigint('subject_id')} AS subject_id, {time_col} AS raw_time, {ts(time_col)} AS time, "
+    def sel(time_col, code, num, text, unit, stay="stay_id", hadm="hadm_id", distinct=False):
+        return (f"SELECT {'DISTINCT ' if distinct else ''}{bigint('subject_id')} AS subject_id, "
+                f"{time_col} AS raw_time, {ts(time_col)} AS time, "
                 f"{code} AS code, {dbl(num) if num else 'NULL::DOUBLE'} AS numeric_value, "
                 f"{text if text else 'NULL::VARCHAR'} AS text_value, {unit if unit else 'NULL::VARCHAR'} AS unit, "
                 f"{bigint(hadm) if hadm else 'NULL::BIGINT'} AS hadm_id, "
@@ -137,8 +138,8 @@ def event_selects(table: str) -> list:
                     f"CASE WHEN {dbl('valuenum')} IS NULL THEN {txt('value')} END", txt("valueuom"), stay=None)]
     if table == "inputevents":
         # the patient's charted weight, once per (start, weight) rather than on every line of an order
-        weight = sel("starttime", "'WEIGHT_AT_INFUSION'", "patientweight", None, "'kg'").replace(
-            "SELECT ", "SELECT DISTINCT ", 1) + " WHERE NULLIF(patientweight, '') IS NOT NULL"
+        weight = sel("starttime", "'WEIGHT_AT_INFUSION'", "patientweight", None, "'kg'", distinct=True) \
+            + " WHERE NULLIF(patientweight, '') IS NOT NULL"
         return [sel("starttime", "'INPUT//' || itemid", "amount", None, txt("amountuom")),
                 sel("endtime", "'INPUT_END//' || itemid", None, None, None) + " WHERE NULLIF(endtime, '') IS NOT NULL",
                 weight]
@@ -231,9 +232,10 @@ def dictionary_selects(paths: dict) -> dict:
                                            "DATETIME", "INGREDIENT"),
                                "'MIMIC_IV_ITEM_CATEGORY//' || NULLIF(category, '')")
     if "d_labitems" in paths:
-        out["d_labitems"] = items("d_labitems", ("LAB",), "'MIMIC_IV_LAB//' || concat_ws('//', NULLIF(fluid, ''), "
-                                                         "NULLIF(category, ''))" if _has(paths, "d_labitems", "fluid")
-                                  else "NULL")
+        # the real d_labitems has fluid and category; a source with only itemid and label gets no parent
+        lab_parent = ("'MIMIC_IV_LAB//' || concat_ws('//', NULLIF(fluid, ''), NULLIF(category, ''))"
+                      if _has(paths, "d_labitems", "fluid") else "NULL")
+        out["d_labitems"] = items("d_labitems", ("LAB",), lab_parent)
     if "d_icd_diagnoses" in paths:
         out["d_icd_diagnoses"] = icd("d_icd_diagnoses", "DIAGNOSIS", "ICD9CM", "ICD10CM")
     if "d_icd_procedures" in paths:

@@ -29,7 +29,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .extract_rules import N_BUCKETS
+from .extract_rules import N_BUCKETS, sql_literal
 
 DATA = "data"
 METADATA = "metadata"
@@ -64,19 +64,16 @@ def events_glob(store: Path) -> Path:
     return Path(store) / DATA / "*.parquet"
 
 
-def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: list | None = None) -> int:
-    """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically; the rows
-    written. Batches flow from DuckDB to the file without collecting the shard in Python."""
+def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: list | None = None) -> None:
+    """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically. Batches flow
+    from DuckDB to the file without collecting the shard in Python."""
     tmp = Path(str(path) + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     reader = con.sql(query, params=params or []).to_arrow_reader(100_000)
-    n = 0
     with pq.ParquetWriter(tmp, EVENT_SCHEMA) as writer:
         for batch in reader:
             writer.write_batch(batch.select(EVENT_COLUMNS).cast(EVENT_SCHEMA))
-            n += batch.num_rows
     os.replace(tmp, path)
-    return n
 
 
 def write_frame_shard(frame: pl.DataFrame, path: Path) -> None:
@@ -92,7 +89,7 @@ def write_dataset_metadata(store: Path, dataset_name: str, dataset_version: str,
             "raw_source_id_columns": ["hadm_id", "stay_id"], "code_modifier_columns": ["unit"],
             "other_extension_columns": ["source_table", "event_hash", "occurrence"]}
     meds.DatasetMetadataSchema.validate(meta)
-    _atomic_text(Path(store) / METADATA / "dataset.json", json.dumps(meta, indent=1))
+    atomic_write_text(Path(store) / METADATA / "dataset.json", json.dumps(meta, indent=1))
 
 
 def codes_metadata_path(store: Path) -> Path:
@@ -137,11 +134,12 @@ def validate_dataset(root: Path) -> list[str]:
     problems found, each naming its file (empty: valid)."""
     root = Path(root)
     problems = []
-    checks = [(p, meds.DataSchema) for p in sorted((root / DATA).rglob("*.parquet"))]
+    shards = sorted((root / DATA).rglob("*.parquet"))
+    if not shards:
+        problems.append(f"{root / DATA}: no data shards")
+    checks = [(p, meds.DataSchema) for p in shards]
     checks += [(root / meds.code_metadata_filepath, meds.CodeMetadataSchema),
                (root / meds.subject_splits_filepath, meds.SubjectSplitSchema)]
-    if not checks[:-2]:
-        problems.append(f"{root / DATA}: no data shards")
     for path, schema in checks:
         if not path.exists():
             if schema is meds.CodeMetadataSchema:
@@ -205,7 +203,8 @@ def meds_shards(source: Path) -> list[Path]:
     return shards
 
 
-def _atomic_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readers see the old or the new file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(text)
@@ -240,7 +239,7 @@ class MedsStayCodes:
 
 
 def _literal_list(paths: list[Path]) -> str:
-    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+    return "[" + ", ".join(sql_literal(p) for p in paths) + "]"
 
 
 def _optional(schema_names: set, col: str, sql_type: str) -> str:
