@@ -410,8 +410,13 @@ def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:
     (:func:`pipeline.extract_rules.dictionary_selects`), or a MEDS source's own codes metadata."""
     if not paths:
         meta = read_codes_metadata(source)
-        return None if meta is None else meta.select(
-            "code", "description", pl.col("parent_codes").cast(pl.List(pl.String)))
+        if meta is None:
+            return None
+        # description and parent_codes are optional columns of MEDS's code metadata
+        return meta.select("code", (pl.col("description") if "description" in meta.columns
+                                    else pl.lit(None, dtype=pl.String).alias("description")).cast(pl.String),
+                           (pl.col("parent_codes") if "parent_codes" in meta.columns
+                            else pl.lit(None).alias("parent_codes")).cast(pl.List(pl.String)))
     frames = [pl.from_arrow(con.sql(q).arrow()) for table, q in dictionary_selects(paths).items() if table in paths]
     if not frames:
         return None

@@ -3,6 +3,7 @@ source (stays from its admission/discharge codes, codes matched by ACES-style pr
 label files and subject splits that a deletion rewrites."""
 import json
 import shutil
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import meds
@@ -139,6 +140,19 @@ def test_a_meds_dataset_runs_end_to_end_like_the_csv_source(ws, tmp_path):
     assert again.new_events == 0 and all(t.get("skipped") for t in again.tables.values())
 
 
+def test_a_meds_source_s_code_metadata_gives_descriptions_and_may_omit_its_optional_columns(ws, tmp_path):
+    src = _as_etl(ws.store, tmp_path / "etl")
+    pl.DataFrame({"code": ["MEDS_BIRTH"], "description": ["born"], "parent_codes": [["SNOMED/3950001"]]}) \
+        .write_parquet(src / meds.code_metadata_filepath)
+    extract(src, tmp_path / "full", stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    codes = pl.read_parquet(tmp_path / "full" / meds.code_metadata_filepath)
+    assert codes.filter(pl.col("code") == "MEDS_BIRTH").select("description", "parent_codes").rows() == [
+        ("born", ["SNOMED/3950001"])]
+    pl.DataFrame({"code": ["MEDS_BIRTH"]}).write_parquet(src / meds.code_metadata_filepath)   # code only
+    extract(src, tmp_path / "bare", stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    assert validate_dataset(tmp_path / "bare") == []
+
+
 def test_a_meds_source_missing_its_metadata_or_with_a_wrong_type_is_named(ws, tmp_path):
     src = _as_etl(ws.store, tmp_path / "etl")
     (src / "metadata" / "dataset.json").unlink()
@@ -152,6 +166,10 @@ def test_a_meds_source_missing_its_metadata_or_with_a_wrong_type_is_named(ws, tm
                                               r"wants int64"):
         extract(src, tmp_path / "o2")
     assert not (tmp_path / "o2").exists()
+    shard.write_bytes(shard.read_bytes()[:200])                      # a truncated copy
+    with pytest.raises(ExtractionError, match=r"0.parquet: not a readable parquet file"):
+        extract(src, tmp_path / "o3")
+    assert not (tmp_path / "o3").exists()
 
 
 def test_aces_style_predicates_match_codes_and_values():
@@ -171,3 +189,18 @@ def test_aces_style_predicates_match_codes_and_values():
 def test_the_demo_store_validates_with_meds(tmp_path):
     extract(DEMO, tmp_path / "store")
     assert validate_dataset(tmp_path / "store") == []
+
+
+def test_derived_stay_ids_that_would_collide_are_refused_and_nothing_is_written(tmp_path):
+    src = tmp_path / "many"
+    (src / "data").mkdir(parents=True)
+    (src / "metadata").mkdir()
+    (src / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "many", "meds_version": "0.4"}))
+    t0 = datetime(2150, 1, 1)
+    times = [t0 + timedelta(days=k) for k in range(1000)]
+    pl.DataFrame({"subject_id": [7] * 2000, "time": times + [t + timedelta(hours=1) for t in times],
+                  "code": ["ICU_ADMISSION//MICU"] * 1000 + ["ICU_DISCHARGE//MICU"] * 1000}) \
+        .with_columns(pl.col("time").cast(pl.Datetime("us"))).write_parquet(src / "data" / "0.parquet")
+    with pytest.raises(ExtractionError, match="1,000 or more ICU admissions"):
+        extract(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
