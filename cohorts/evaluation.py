@@ -80,7 +80,7 @@ def score_stay(stay: EventStream, budget: int, policy_names: tuple = tuple(POLIC
     out = {}
     for name in policy_names:
         policy = POLICIES[name]
-        own = stay.learned_keys if getattr(policy, "key_source", "event") == "learned" else keys
+        own = stay.learned_keys if policy.key_source == "learned" else keys
         if own is None:
             continue  # no trained encoder in this run
         pol = policy(budget, gamma=gamma, seed=seed)

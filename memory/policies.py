@@ -1,7 +1,8 @@
 """Budgeted streaming memories: certified SV selection and the baselines, with one river-style API.
 
 Every policy holds at most ``budget`` events; ``learn_one(key, value, token_id)`` offers one event and
-``kept()`` returns the ids held. Rules (design note sections 8 and 9):
+``kept()`` returns the ids held; ``key_source`` says which keys of a stream it reads (``"event"`` or
+``"learned"``). Rules (design note sections 8 and 9):
 
 * ``SVSelection``: an SVMemory with fixed C = 1 / (nu_B * B) (feasible once it holds ceil(nu_B B) <= B events).
   When over budget it evicts the reserve token with the largest slack g (certified); only when the reserve set
@@ -71,6 +72,7 @@ class SVLearnedSelection(SVSelection):
 
 class Recency:
     name = "recency"
+    key_source = "event"
 
     def __init__(self, budget: int, **_):
         self.budget = int(budget)
@@ -87,6 +89,7 @@ class Recency:
 
 class SoftmaxHeavyHitter:
     name = "softmax_h2o"
+    key_source = "event"
 
     def __init__(self, budget: int, **_):
         self.budget = int(budget)
@@ -119,6 +122,7 @@ class SoftmaxHeavyHitter:
 
 class ResidualRetention:
     name = "residual_delta"
+    key_source = "event"
 
     def __init__(self, budget: int, beta: float = 0.5, **_):
         self.budget = int(budget)
@@ -149,6 +153,7 @@ class ResidualRetention:
 
 class ReservoirRandom:
     name = "random"
+    key_source = "event"
 
     def __init__(self, budget: int, seed: int = 0, **_):
         self.budget = int(budget)
