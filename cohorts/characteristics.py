@@ -12,7 +12,6 @@ import polars as pl
 
 from pipeline.extract import quarantine_reasons
 
-from .definitions import deterioration_hours
 from .predicates import code_expr, describe_codes
 
 if TYPE_CHECKING:
@@ -85,21 +84,27 @@ def _demographics(cohort: pl.DataFrame, deaths: pl.Series) -> list[Row]:
     return rows
 
 
-def _token_rows(labelled: pl.DataFrame, labels: list[str]) -> list[Row]:
-    rows = [Row("stays with vital-sign tokens", _by_split(labelled, lambda f: Count(int(f["stay_id"].n_unique())))),
-            Row("hourly tokens", _by_split(labelled, lambda f: Count(f.height)))]
+def _token_rows(per_stay: pl.DataFrame, labels: list[str]) -> list[Row]:
+    """``per_stay``: one row per stay with tokens (stay_id, split, tokens, and per label its labelled tokens)."""
+    rows = [Row("stays with vital-sign tokens", _by_split(per_stay, lambda f: Count(f.height))),
+            Row("hourly tokens", _by_split(per_stay, lambda f: Count(int(f["tokens"].sum()))))]
     for name in labels:
-        rows.append(Row(name, _by_split(labelled, lambda f, n=name: Count(int(f[n].sum()), f.height)),
+        rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int(f[n].sum()), int(f["tokens"].sum()))),
                         group="labelled tokens (% of tokens)"))
-    per_stay = labelled.group_by("stay_id", "split").agg(pl.col(n).any() for n in labels)
     for name in labels:
-        rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int(f[n].sum()), f.height)),
+        rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int((f[n] > 0).sum()), f.height)),
                         group="stays with a labelled token (% of stays with tokens)"))
     return rows
 
 
-def _criterion_rows(cohort: pl.DataFrame, events: pl.DataFrame, cfg: dict) -> list[Row]:
-    fired = deterioration_hours(events, cfg).join(cohort.select("stay_id", "split"), on="stay_id")
+def token_counts(labelled: pl.DataFrame, labels: list[str]) -> pl.DataFrame:
+    """Labelled tokens summed per stay: the token rows of :func:`describe_cohort`."""
+    return labelled.group_by("stay_id", "split").agg(pl.len().alias("tokens"),
+                                                     *[pl.col(n).cast(pl.Int64).sum() for n in labels])
+
+
+def _criterion_rows(cohort: pl.DataFrame, fired: pl.DataFrame, cfg: dict) -> list[Row]:
+    fired = fired.join(cohort.select("stay_id", "split"), on="stay_id")
     rows = []
     for c in cfg["deterioration"]["criteria"]:
         mine = fired.filter(pl.col("criterion") == c["name"])
@@ -108,19 +113,24 @@ def _criterion_rows(cohort: pl.DataFrame, events: pl.DataFrame, cfg: dict) -> li
     return rows
 
 
-def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, events: pl.DataFrame,
-                    labelled: pl.DataFrame | None = None) -> CohortTable:
-    """Table 1 of the cohort. ``events``: the cohort's stay events (:func:`cohorts.definitions.stay_events`);
-    ``labelled``: its labelled hourly tokens (:func:`cohorts.tokens.label_tokens`), None in events mode."""
+def death_stays(events: pl.DataFrame, cfg: dict) -> pl.Series:
+    """The stays with a death code dated inside their window (ICU mortality)."""
+    return events.filter(code_expr(cfg["cohort"].get("death_codes", ["DEATH"])))["stay_id"].unique()
+
+
+def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, deaths: pl.Series, fired: pl.DataFrame,
+                    token_stays: pl.DataFrame | None = None) -> CohortTable:
+    """Table 1 of the cohort, from per-stay facts a run gathers chunk by chunk: ``deaths`` (stay ids,
+    :func:`death_stays`), ``fired`` (stay_id, hour, criterion: :func:`cohorts.definitions.deterioration_hours`)
+    and ``token_stays`` (:func:`token_counts`; None in events mode)."""
     death_codes = cfg["cohort"].get("death_codes", ["DEATH"])
-    deaths = events.filter(code_expr(death_codes))["stay_id"].unique()
     rows = _demographics(cohort, deaths)
-    if labelled is not None:
-        rows += _token_rows(labelled, [n for n in (cfg.get("token_labels") or {}) if n in labelled.columns])
+    if token_stays is not None:
+        rows += _token_rows(token_stays, [n for n in (cfg.get("token_labels") or {}) if n in token_stays.columns])
     notes = ("unit: the ICU stay of an adult (anchor_age >= {min_age}) lasting at least {min_hours} h; "
              "median [interquartile range] or n (%)".format(min_age=cfg["cohort"]["min_age"],
                                                             min_hours=cfg["cohort"]["min_stay_hours"]),
              f"ICU mortality: a death code ({describe_codes(death_codes)}) dated inside the stay's window",
              "age: MIMIC-IV anchor_age (ages above 89 are shifted to 91 in the source)",
              "quarantined rows: every row of the store the extraction rejected, by its rule (all patients)")
-    return CohortTable(tuple(rows), tuple(_criterion_rows(cohort, events, cfg)), quarantine_reasons(store), notes)
+    return CohortTable(tuple(rows), tuple(_criterion_rows(cohort, fired, cfg)), quarantine_reasons(store), notes)

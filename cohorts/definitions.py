@@ -10,6 +10,7 @@ import yaml
 from pipeline.extract import scan_events
 
 from .predicates import PredicateError, code_expr, code_spec, has_value_bounds, value_expr
+from .stay_chunks import in_windows
 
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
 
@@ -107,22 +108,14 @@ def build_cohort(store: Path, cfg: dict) -> pl.DataFrame:
 
 
 def stay_events(store: Path, cohort: pl.DataFrame) -> pl.DataFrame:
-    """Every event inside each cohort stay's window, in time order, with its hour of stay.
+    """Every event inside each cohort stay's window, in time order, with its hour of stay (the whole cohort at
+    once: for small stores and one subject's rows; a run reads :func:`cohorts.stay_chunks.chunk_events`).
 
     Events carrying the stay's id are kept as they are; hospital-level events without one (deaths, transfers)
     are attached to the stay whose window contains them.
     """
-    win = cohort.select("stay_id", "subject_id", "intime", "outtime").lazy()
     ev = scan_events(store).filter(pl.col("subject_id").is_in(cohort["subject_id"].implode()))
-    with_stay = ev.filter(pl.col("stay_id").is_not_null()).join(win.drop("subject_id"), on="stay_id")
-    without = (ev.filter(pl.col("stay_id").is_null()).drop("stay_id").join(win, on="subject_id")
-               .filter((pl.col("time") >= pl.col("intime")) & (pl.col("time") <= pl.col("outtime"))))
-    cols = ["stay_id", "subject_id", "time", "code", "numeric_value", "unit", "source_table", "event_hash",
-            "occurrence", "intime"]
-    out = pl.concat([with_stay.select(cols), without.select(cols)])
-    hour = ((pl.col("time") - pl.col("intime")).dt.total_seconds() // 3600).cast(pl.Int64).clip(lower_bound=0)
-    return (out.with_columns(hour.alias("hour")).drop("intime")
-            .sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect())
+    return in_windows(ev, cohort).sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect()
 
 
 def deterioration_hours(events: pl.DataFrame, cfg: dict) -> pl.DataFrame:
@@ -188,11 +181,18 @@ def rare_codes(events: pl.DataFrame, cohort: pl.DataFrame, cfg: dict) -> tuple:
     """Codes rare in the training split: count <= the configured quantile of per-code counts."""
     train = cohort.filter(pl.col("split") == "train")["stay_id"]
     counts = events.filter(pl.col("stay_id").is_in(train.implode())).group_by("code").len()
-    if counts.height == 0:
+    return rare_from_counts(counts, set(events["code"].unique()), cfg)
+
+
+def rare_from_counts(train_counts: pl.DataFrame, codes: set, cfg: dict) -> tuple:
+    """(rare codes, threshold) from the training split's per-code event counts (code, len) and every code of
+    the cohort's stays: the codes at or below the configured quantile of the counts, and the codes never seen
+    in training."""
+    if train_counts.height == 0:
         return set(), 0.0
-    threshold = float(counts["len"].quantile(cfg["rare_items"]["quantile"], interpolation="lower"))
-    rare = set(counts.filter(pl.col("len") <= threshold)["code"])
-    unseen = set(events["code"].unique()) - set(counts["code"])
+    threshold = float(train_counts["len"].quantile(cfg["rare_items"]["quantile"], interpolation="lower"))
+    rare = set(train_counts.filter(pl.col("len") <= threshold)["code"])
+    unseen = set(codes) - set(train_counts["code"])
     return rare | unseen, threshold
 
 

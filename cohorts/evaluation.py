@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import polars as pl
 
 from memory.kernels import rbf
 from memory.policies import POLICIES
@@ -183,25 +184,40 @@ def balanced_chunks(stays: list, n_chunks: int, size: Callable = len) -> list:
     return [c for _, c in sorted(zip(load, chunks), key=lambda lc: -lc[0]) if c]
 
 
+RESAMPLE_CELLS = 1 << 22     # resampled values drawn at a time (32 MiB of indices), whatever the stays
+
+
+def _blocks(n_resamples: int, n: int):
+    """Row counts of the resampling blocks: memory stays at RESAMPLE_CELLS draws however many stays there are."""
+    rows = max(1, RESAMPLE_CELLS // max(n, 1))
+    for lo in range(0, n_resamples, rows):
+        yield min(rows, n_resamples - lo)
+
+
 def bootstrap_ci(x: list | np.ndarray, n_boot: int = 10_000, seed: int = 0, level: float = 0.95) -> tuple:
+    """Percentile bootstrap CI of the mean, resampled in blocks (bounded memory)."""
     x = np.asarray(x, dtype=np.float64)
     if len(x) == 0:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(1)
+    means = np.concatenate([x[rng.integers(0, len(x), size=(m, len(x)))].mean(1) for m in _blocks(n_boot, len(x))])
     lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(lo), float(hi)
 
 
 def sign_flip_p(d: list | np.ndarray, n_perm: int = 10_000, seed: int = 0) -> float:
+    """Two-sided sign-flip permutation p-value of a paired mean difference, flips drawn in blocks."""
     d = np.asarray(d, dtype=np.float64)
     if len(d) == 0 or np.allclose(d, 0):
         return 1.0
     rng = np.random.default_rng(seed)
     obs = abs(d.mean())
-    flips = rng.choice([-1.0, 1.0], size=(n_perm, len(d)))
+    hits = 0
+    for m in _blocks(n_perm, len(d)):
+        flips = rng.choice([-1.0, 1.0], size=(m, len(d)))
+        hits += int((np.abs((flips * d).mean(1)) >= obs - 1e-15).sum())
     # (count + 1) / (n + 1): a Monte Carlo p-value is never 0
-    return float(((np.abs((flips * d).mean(1)) >= obs - 1e-15).sum() + 1) / (n_perm + 1))
+    return float((hits + 1) / (n_perm + 1))
 
 
 # Events-mode metrics as (label, metric) of the long rows every protocol shares.
@@ -240,27 +256,37 @@ def holm(p_values: list) -> list:
     return out.tolist()
 
 
-def aggregate(rows: list, reference: str = "sv_certified") -> tuple:
+def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_certified") -> tuple:
     """Per (protocol, tokens, keys, label, budget, policy, metric): mean, CI, n; and paired differences of
     ``reference`` minus each other policy on the same stays, with a sign-flip p-value and its Holm adjustment
-    over every paired comparison of the run (``p_holm``)."""
-    by = {}
-    for r in long_rows(rows):
-        by.setdefault(tuple(r[g] for g in GROUP), {})[r["stay_id"]] = r["value"]
+    over every paired comparison of the run (``p_holm``).
+
+    ``rows``: per-stay rows (a list, as :func:`long_rows` takes them) or a frame of long rows, such as a
+    lazy scan of a run's results file. Values are held per group as arrays, in stay order (the order the
+    resampling draws over), never as one object per row."""
+    frame = rows.lazy() if isinstance(rows, pl.DataFrame) else rows
+    if isinstance(rows, list):
+        frame = pl.DataFrame(long_rows(rows), infer_schema_length=None).lazy() if rows else None
+    if frame is None:
+        return [], []
+    grouped = (frame.select(*GROUP, "stay_id", "value").with_columns(pl.col(g).cast(pl.String) for g in GROUP)
+               .group_by(GROUP).agg(pl.col("stay_id").sort_by("stay_id"), pl.col("value").sort_by("stay_id"))
+               .collect())
+    by = {tuple(r[:len(GROUP)]): (np.asarray(r[-2], dtype=np.int64), np.asarray(r[-1], dtype=np.float64))
+          for r in grouped.iter_rows()}
     summary, paired = [], []
-    for group, vals in sorted(by.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+    for group, (stays, v) in sorted(by.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         fields = dict(zip(GROUP, group))
-        v = np.array(list(vals.values()))
         lo, hi = bootstrap_ci(v)
         summary.append({**fields, "mean": float(v.mean()), "ci_low": lo, "ci_high": hi, "n": int(len(v))})
         ref_key = group[:5] + (reference,) + group[6:]
         if fields["policy"] != reference and fields["metric"] in PAIRED_METRICS and ref_key in by:
-            ref = by[ref_key]
-            common = sorted(set(ref) & set(vals))
-            d = np.array([ref[s] - vals[s] for s in common])
+            ref_stays, ref_v = by[ref_key]
+            _, i, j = np.intersect1d(ref_stays, stays, assume_unique=True, return_indices=True)
+            d = ref_v[i] - v[j]
             dlo, dhi = bootstrap_ci(d)
             paired.append({**{k: fields[k] for k in GROUP if k != "policy"}, "baseline": fields["policy"],
-                           "mean_diff": float(d.mean()), "ci_low": dlo, "ci_high": dhi,
+                           "mean_diff": float(d.mean()) if len(d) else float("nan"), "ci_low": dlo, "ci_high": dhi,
                            "p_value": sign_flip_p(d), "n": int(len(d))})
     for row, p in zip(paired, holm([r["p_value"] for r in paired])):
         row["p_holm"] = p

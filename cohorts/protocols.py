@@ -26,7 +26,7 @@ from memory.policies import POLICIES, SVSelection
 from memory.svmemory import SVMemory
 
 from .evaluation import fraction_budget
-from .tokens import KEYSET_ALL, TokenTable, keyset_of, label_specs
+from .tokens import KEYSET_ALL, TokenScaling, keyset_of, label_specs
 
 if TYPE_CHECKING:
     import polars as pl
@@ -44,6 +44,7 @@ class TokenStream:
     labels: dict[str, np.ndarray]
     label_keyset: dict[str, str]
     memory_path: str | None = None
+    score_key: str | None = None      # its cached scores' key, in a run (cohorts.token_run)
 
     def __len__(self) -> int:
         return len(next(iter(self.keys.values())))
@@ -61,17 +62,19 @@ class StreamingSettings:
         return 1.0 / self.sigma ** 2
 
 
-def token_streams(labelled: pl.DataFrame, table: TokenTable, cfg: dict, split: str = "eval") -> list[TokenStream]:
-    """Typed streams of one split's stays from labelled tokens (:func:`cohorts.tokens.label_tokens`)."""
+def token_streams(labelled: pl.DataFrame, scaling: TokenScaling, cfg: dict, split: str | None = "eval"
+                  ) -> list[TokenStream]:
+    """Typed streams of one split's stays (None: every stay) from labelled tokens
+    (:func:`cohorts.tokens.label_tokens`), keys standardised by ``scaling``."""
     specs = label_specs(cfg)
-    names = table.scaling.channels
+    names = scaling.channels
     keysets = {keyset_of(s) for s in specs.values()} | {KEYSET_ALL}
     cols = {ks: [i for i, c in enumerate(names) if ks == KEYSET_ALL or ks != f"without_{c}"] for ks in keysets}
-    frame = labelled.filter(labelled["split"] == split)
+    frame = labelled if split is None else labelled.filter(labelled["split"] == split)
     out = []
     for (stay_id,), g in frame.group_by(["stay_id"], maintain_order=True):
         g = g.sort("hour")
-        keys = table.scaling.keys(g)
+        keys = scaling.keys(g)
         out.append(TokenStream(int(stay_id), int(g["subject_id"][0]),
                                {ks: np.ascontiguousarray(keys[:, c]) for ks, c in cols.items()},
                                {n: g[n].to_numpy().astype(bool) for n in specs},
@@ -197,29 +200,50 @@ def score_streaming(stream: TokenStream, points: list[tuple[str, int]], settings
     return rows
 
 
+def selection_grid(protocol_cfg: dict) -> list[StreamingSettings]:
+    return [StreamingSettings(float(nu), float(sigma)) for nu in protocol_cfg["nu_grid"]
+            for sigma in protocol_cfg["sigma_grid"]]
+
+
+def selects_on(stream: TokenStream, protocol_cfg: dict) -> bool:
+    """Whether a training stay takes part in the choice: longer than the budget, with a labelled token."""
+    return len(stream) > int(protocol_cfg["select_budget"]) and bool(stream.labels[protocol_cfg["select_label"]].any())
+
+
+def grid_scores(stream: TokenStream, protocol_cfg: dict) -> list[tuple[float, float]]:
+    """(retention of ``select_label``, certified fraction) of SV streaming on one training stay, per setting
+    of :func:`selection_grid`."""
+    budget, label = int(protocol_cfg["select_budget"]), protocol_cfg["select_label"]
+    out = []
+    for st in selection_grid(protocol_cfg):
+        kept, extra = streaming_sv(stream.keys[stream.label_keyset[label]], budget, st)
+        out.append((retention(kept, stream.labels[label]), extra.get("certified_fraction", 1.0)))
+    return out
+
+
+def choose_settings(per_stay: list[list[tuple[float, float]]], protocol_cfg: dict) -> StreamingSettings:
+    """The setting with the best mean retention among those whose mean certified fraction reaches
+    ``min_certified`` (the largest certified fraction when none does), from the stays' :func:`grid_scores`."""
+    results = []
+    for j, st in enumerate(selection_grid(protocol_cfg)):
+        ret = [s[j][0] for s in per_stay]
+        cert = [s[j][1] for s in per_stay]
+        results.append({"nu": st.nu, "sigma": st.sigma, "train_stays": len(per_stay),
+                        "retention": float(np.mean(ret)) if ret else float("nan"),
+                        "certified_fraction": float(np.mean(cert)) if cert else float("nan")})
+    ok = [r for r in results if r["certified_fraction"] >= protocol_cfg["min_certified"]]
+    best = max(ok, key=lambda r: r["retention"]) if ok else max(results, key=lambda r: r["certified_fraction"])
+    return StreamingSettings(best["nu"], best["sigma"], selection=results)
+
+
 def choose_streaming_settings(train: list[TokenStream], protocol_cfg: dict) -> StreamingSettings:
     """nu_B and sigma from the config's grid, scored on training-split stays only (longer than the budget).
 
     The setting with the best mean retention of ``select_label`` among those whose mean certified fraction
     reaches ``min_certified``; the largest certified fraction when none does.
     """
-    budget, label = int(protocol_cfg["select_budget"]), protocol_cfg["select_label"]
-    stays = [s for s in train if len(s) > budget and s.labels[label].any()]
-    results = []
-    for nu in protocol_cfg["nu_grid"]:
-        for sigma in protocol_cfg["sigma_grid"]:
-            st = StreamingSettings(float(nu), float(sigma))
-            ret, cert = [], []
-            for s in stays:
-                kept, extra = streaming_sv(s.keys[s.label_keyset[label]], budget, st)
-                ret.append(retention(kept, s.labels[label]))
-                cert.append(extra.get("certified_fraction", 1.0))
-            results.append({"nu": float(nu), "sigma": float(sigma), "train_stays": len(stays),
-                            "retention": float(np.mean(ret)) if ret else float("nan"),
-                            "certified_fraction": float(np.mean(cert)) if cert else float("nan")})
-    ok = [r for r in results if r["certified_fraction"] >= protocol_cfg["min_certified"]]
-    best = max(ok, key=lambda r: r["retention"]) if ok else max(results, key=lambda r: r["certified_fraction"])
-    return StreamingSettings(best["nu"], best["sigma"], selection=results)
+    return choose_settings([grid_scores(s, protocol_cfg) for s in train if selects_on(s, protocol_cfg)],
+                           protocol_cfg)
 
 
 def score_token_streams(streams: list[TokenStream], budgets: tuple, fractions: tuple, settings: StreamingSettings,

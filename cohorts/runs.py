@@ -17,17 +17,20 @@ from meds import held_out_split, train_split
 
 from memory.cohort import CohortMemory, history_digest
 from memory.encoder import EventEncoder, train_encoder
+from pipeline import progress
 from pipeline.extract import scan_events
 from pipeline.keys import EventKeyer
 from pipeline.meds import subject_splits_path, write_label_file, write_subject_splits
 from pipeline.privacy import store_key
 
-from .characteristics import describe_cohort
-from .definitions import build_cohort, is_eval_subject, stay_events, workspace_config
+from .characteristics import death_stays, describe_cohort, token_counts
+from .definitions import build_cohort, deterioration_hours, is_eval_subject, stay_events, workspace_config
 from .encoder_data import training_windows
-from .protocols import StreamingSettings, choose_streaming_settings, token_streams
+from .evaluation import aggregate
+from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
 from .provenance import code_version
 from .streams import cohort_stream, evaluation_streams
+from .token_run import ScoringPlan, StayIndex, label_run, pending_streams, stay_facts, store_scores, write_results
 from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
 
 if TYPE_CHECKING:
@@ -153,7 +156,8 @@ def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 1
 
 def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None) -> tuple[list, StreamingSettings,
                                                                                         dict]:
-    """Hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
+    """The whole cohort in memory at once (small stores, and the reference the chunked, cached run of
+    :mod:`cohorts.token_run` is tested against): hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
     the training split, and the cohort's summary (aggregates only). With ``labels_dir``, the token labels are
     also written there as MEDS label files and the subject-level split into the store's MEDS metadata."""
     cohort = build_cohort(store, cfg)
@@ -163,8 +167,8 @@ def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None
     if labels_dir is not None:
         write_meds_labels(labelled, cohort, cfg, table.bin_hours, labels_dir)
         write_subject_splits(subject_splits_path(store), subject_splits(store, cfg))
-    evaluation = token_streams(labelled, table, cfg, split="eval")
-    settings = choose_streaming_settings(token_streams(labelled, table, cfg, split="train"),
+    evaluation = token_streams(labelled, table.scaling, cfg, split="eval")
+    settings = choose_streaming_settings(token_streams(labelled, table.scaling, cfg, split="train"),
                                          cfg["protocols"]["streaming"])
     ev = labelled.filter(pl.col("split") == "eval")
     summary = {"stays": int(cohort.height), "train_stays": int(cohort.height - len(evaluation)),
@@ -175,7 +179,9 @@ def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None
     for name in label_specs(cfg):
         summary[f"eval_tokens_{name}"] = int(ev[name].sum())
         summary[f"eval_stays_with_{name}"] = int(ev.group_by("stay_id").agg(pl.col(name).any())[name].sum())
-    summary["characteristics"] = describe_cohort(store, cfg, cohort, events, labelled)
+    summary["characteristics"] = describe_cohort(store, cfg, cohort, death_stays(events, cfg),
+                                                 deterioration_hours(events, cfg),
+                                                 token_counts(labelled, list(label_specs(cfg))))
     return evaluation, settings, summary
 
 
@@ -222,12 +228,49 @@ def workspace_event_streams(ws: Workspace, max_events: int | None = None) -> tup
     return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
 
 
-def workspace_token_streams(ws: Workspace) -> tuple[list, StreamingSettings, dict]:
-    """:func:`prepare_token_streams` over a workspace, each stream with its per-stay memory's path."""
-    streams, settings, cohort = prepare_token_streams(ws.store, workspace_config(ws.root), labels_dir=ws.labels)
-    for s, path in zip(streams, stay_memory_paths(ws, [s.stay_id for s in streams])):
-        s.memory_path = path
-    return streams, settings, cohort
+def prepare_token_run(ws: Workspace, cfg: dict | None = None, chunk_stays: int = 256) -> tuple[StayIndex, dict]:
+    """The first two phases of an hourly-token run over a workspace (:mod:`cohorts.token_run`): per-stay facts
+    chunk by chunk, then labels, MEDS label files and splits, token scaling and the streaming setting.
+    Returns the run's index of stays (patient-level; it stays in the process) and the cohort's summary."""
+    cfg = cfg or workspace_config(ws.root)
+    total = build_cohort(ws.store, cfg).height
+    with progress.step("tokens", total=total, unit="stays") as advance:
+        index = stay_facts(ws, cfg, chunk_stays=chunk_stays, on_chunk=advance)
+    with progress.step("labels", total=total, unit="stays") as advance:
+        summary = label_run(ws, index, cfg, chunk_stays=chunk_stays, on_shard=advance)
+        write_subject_splits(subject_splits_path(ws.store), subject_splits(ws.store, cfg))
+    summary["computed_stays"] = dict(index.computed)
+    return index, summary
+
+
+def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,
+                  score_batch: Callable[[list[TokenStream]], list[dict]], batch_stays: int = 2048) -> int:
+    """Score the evaluation streams whose scores are not cached, in batches (``score_batch(streams)`` gives
+    their long rows: the flow maps it over its task runner), caching each batch; then write the run's
+    per-stay results. Returns the stays scored now."""
+    scored = 0
+    total = int((index.cohort["split"] == "eval").sum())
+    with progress.step("scoring", total=total, unit="stays") as advance:
+        for batch in pending_streams(ws, index, cfg, plan, batch_stays=batch_stays, on_cached=advance):
+            store_scores(ws, batch, score_batch(batch, advance))
+            scored += len(batch)
+    index.computed["scores"] = scored
+    write_results(ws, index)
+    return scored
+
+
+def run_statistics(ws: Workspace) -> tuple[list, list]:
+    """Means, CIs and paired comparisons of the run's per-stay results, read from its results file."""
+    with progress.step("statistics"):
+        return aggregate(pl.scan_parquet(ws.results))
+
+
+def write_phases(ws: Workspace, since: float) -> Path:
+    """The run's steps with their wall-clock start and end (``WS/run_phases.json``; what the scale bench reads)."""
+    path = ws.root / "run_phases.json"
+    path.write_text(json.dumps([{"phase": n, "start": a, "end": b} for n, a, b in progress.phases if a >= since],
+                               indent=1))
+    return path
 
 
 def save_results(ws: Workspace, rows: list) -> Path:

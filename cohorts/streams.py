@@ -10,8 +10,8 @@ from memory.cohort import token_id
 from pipeline.keys import EventKeyer
 from pipeline.privacy import subject_ref
 
-from .characteristics import describe_cohort
-from .definitions import build_cohort, label_events, stay_events
+from .characteristics import death_stays, describe_cohort
+from .definitions import build_cohort, deterioration_hours, label_events, stay_events
 from .encoder_data import encode
 from .evaluation import EventStream
 from .tokens import build_tokens
@@ -55,7 +55,7 @@ def evaluation_streams(store: Path, cfg: dict, max_events: int | None = None,
         "deterioration_hours": int(sum(len(np.unique(s.hours[s.deteriorating])) for s in streams)),
         "eval_stays_with_deterioration": int(sum(bool(s.deteriorating.any()) for s in streams)),
         "rare_events": int(sum(int(s.rare.sum()) for s in streams)),
-        "characteristics": describe_cohort(store, cfg, cohort, raw),
+        "characteristics": describe_cohort(store, cfg, cohort, death_stays(raw, cfg), deterioration_hours(raw, cfg)),
     }
     return streams, summary
 

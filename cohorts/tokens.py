@@ -132,16 +132,20 @@ class TokenTable:
     bin_hours: float
 
 
-def _readings(store, cohort: pl.DataFrame, channels: list[Channel], hours_per_bin: float) -> pl.LazyFrame:
-    # Patterns become the store's codes they match, so readings join on exact codes.
-    vocabulary = store_codes(store)
-    spec = pl.DataFrame([{"code": code, "channel": ch.name, "scale": ch.convert.get(code, (1.0, 0.0))[0],
+def reading_spec(channels: list[Channel], vocabulary: list[str]) -> pl.DataFrame:
+    """(code, channel, scale, offset, lo, hi) per store code a channel reads: patterns become the store's codes
+    they match, so readings join on exact codes."""
+    return pl.DataFrame([{"code": code, "channel": ch.name, "scale": ch.convert.get(code, (1.0, 0.0))[0],
                           "offset": ch.convert.get(code, (1.0, 0.0))[1], "lo": ch.lo, "hi": ch.hi}
-                         for ch in channels for code in matching_codes(list(ch.codes), vocabulary)])
+                         for ch in channels for code in matching_codes(list(ch.codes), vocabulary)],
+                        schema={"code": pl.String, "channel": pl.String, "scale": pl.Float64, "offset": pl.Float64,
+                                "lo": pl.Float64, "hi": pl.Float64})
+
+
+def _readings(events: pl.LazyFrame, spec: pl.DataFrame, cohort: pl.DataFrame, hours_per_bin: float) -> pl.LazyFrame:
     win = cohort.select("stay_id", "intime", "outtime").lazy()
     seconds = (pl.col("time") - pl.col("intime")).dt.total_seconds()
-    return (scan_events(store).filter(pl.col("code").is_in(spec["code"].implode()) &
-                                      pl.col("numeric_value").is_not_null())
+    return (events.filter(pl.col("code").is_in(spec["code"].implode()) & pl.col("numeric_value").is_not_null())
             .select("stay_id", "time", "code", "numeric_value", "event_hash", pl.col("occurrence").cast(pl.Int64))
             .join(win, on="stay_id")
             .filter((pl.col("time") >= pl.col("intime")) & (pl.col("time") <= pl.col("outtime")))
@@ -150,17 +154,14 @@ def _readings(store, cohort: pl.DataFrame, channels: list[Channel], hours_per_bi
                           (seconds // (3600.0 * hours_per_bin)).cast(pl.Int64).alias("hour")))
 
 
-def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
-                 cohort: pl.DataFrame | None = None) -> TokenTable:
-    """Hourly tokens of every cohort stay. ``scaling`` (from a persisted memory) is used as given; otherwise it
-    is fitted on the training split's stays."""
-    channels = channels_from_config(cfg)
-    names = [c.name for c in channels]
-    hours_per_bin = bin_hours(cfg)
-    cohort = build_cohort(store, cfg) if cohort is None else cohort
-    rd = _readings(store, cohort, channels, hours_per_bin)
+def filled_tokens(events: pl.LazyFrame, spec: pl.DataFrame, cohort: pl.DataFrame, names: list[str],
+                  hours_per_bin: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Steps 1-3 of the protocol but the training-split median, on ``events`` (the store, or one chunk's
+    events) for ``cohort``'s stays: (tokens filled within each stay, still null where a stay never measured
+    a channel; per stay and channel, its readings and artifacts)."""
+    rd = _readings(events, spec, cohort, hours_per_bin)
     plausible = pl.col("value").is_finite() & (pl.col("value") >= pl.col("lo")) & (pl.col("value") <= pl.col("hi"))
-    counts = (rd.group_by("channel").agg(pl.len().alias("readings"), (~plausible).sum().alias("artifacts"))
+    counts = (rd.group_by("stay_id", "channel").agg(pl.len().alias("readings"), (~plausible).sum().alias("artifacts"))
               .collect())
     ok = rd.filter(plausible)
     per_bin = ok.group_by("stay_id", "hour").agg(
@@ -181,19 +182,38 @@ def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
                       "occurrence")
               .sort("stay_id", "hour")
               .collect())
+    return filled, counts
+
+
+def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
+                 cohort: pl.DataFrame | None = None) -> TokenTable:
+    """Hourly tokens of every cohort stay at once (small stores, one subject's stays; a run builds them chunk by
+    chunk, :mod:`cohorts.token_run`). ``scaling`` (from a persisted memory) is used as given; otherwise it
+    is fitted on the training split's stays."""
+    channels = channels_from_config(cfg)
+    names = [c.name for c in channels]
+    hours_per_bin = bin_hours(cfg)
+    cohort = build_cohort(store, cfg) if cohort is None else cohort
+    filled, counts = filled_tokens(scan_events(store), reading_spec(channels, store_codes(store)), cohort, names,
+                                   hours_per_bin)
     if scaling is None:
         scaling = TokenScaling.fit(filled.filter(pl.col("split") == "train"), names)
-    elif scaling.channels != names:
-        raise CohortConfigError(f"persisted token statistics are for channels {scaling.channels}, the config "
-                                f"declares {names}")
-    idx = {r["channel"]: r for r in counts.iter_rows(named=True)}
+    check_scaling(scaling, names)
+    totals = counts.group_by("channel").agg(pl.col("readings").sum(), pl.col("artifacts").sum())
+    idx = {r["channel"]: r for r in totals.iter_rows(named=True)}
     return TokenTable(scaling.impute(filled), scaling, channels,
                       artifacts={c: int(idx.get(c, {}).get("artifacts", 0)) for c in names},
                       readings={c: int(idx.get(c, {}).get("readings", 0)) for c in names},
                       bin_hours=hours_per_bin)
 
 
-def _threshold_expr(thresholds: dict) -> pl.Expr:
+def check_scaling(scaling: TokenScaling, names: list[str]) -> None:
+    if scaling.channels != names:
+        raise CohortConfigError(f"persisted token statistics are for channels {scaling.channels}, the config "
+                                f"declares {names}")
+
+
+def threshold_expr(thresholds: dict) -> pl.Expr:
     fired = pl.lit(False)
     for ch, rule in thresholds.items():
         if "above" in rule:
@@ -235,7 +255,7 @@ def label_tokens(table: TokenTable, store: Path, cfg: dict, cohort: pl.DataFrame
     """
     specs = label_specs(cfg)
     tok = table.tokens
-    exprs = [_threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s]
+    exprs = [threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s]
     tok = tok.with_columns(exprs) if exprs else tok
     event_labels = {n: s["from"] for n, s in specs.items() if "thresholds" not in s}
     if event_labels:

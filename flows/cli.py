@@ -220,7 +220,7 @@ def _run(args):
     if args.cmd in offline:
         return offline[args.cmd](args)
     _preflight(args)
-    from flows import progress
+    from pipeline import progress
     progress.configure(True)
     return _delete(args) if args.cmd == "delete" else _scheduled(args)
 

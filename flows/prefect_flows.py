@@ -24,10 +24,11 @@ from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, EventStream,
                                 headline_rows, long_rows, run_sweep)
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
 from cohorts.provenance import Provenance, provenance
-from cohorts.runs import (HEADLINE_BUDGET, TOKEN_MODES, run_metadata, save_results, train_key_encoder,
-                          update_cohort_memory, workspace_event_streams, workspace_token_streams)
+from cohorts.runs import (HEADLINE_BUDGET, TOKEN_MODES, prepare_token_run, run_metadata, run_statistics, save_results,
+                          score_pending, train_key_encoder, write_phases, update_cohort_memory, workspace_event_streams)
+from cohorts.token_run import ScoringPlan, StayIndex
 from deletion import AlreadyDeleted, delete_subject, resolve_subject
-from flows import progress  # absolute: Prefect loads this file by path as a deployment entrypoint
+from pipeline import progress
 from pipeline.extract import ExtractionError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
@@ -127,9 +128,8 @@ def prepare_streams(root: str, max_events: int | None) -> tuple[list[EventStream
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def prepare_token_streams_task(root: str) -> tuple[list[TokenStream], StreamingSettings, dict]:
-    with progress.step("building hourly tokens, labels, and the streaming setting (training split)"):
-        return workspace_token_streams(Workspace(root))
+def prepare_token_run_task(root: str) -> tuple[StayIndex, dict]:
+    return prepare_token_run(Workspace(root))
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -183,6 +183,14 @@ def ingest(root: str | Path, source: str | Path | None = None, memory_limit: str
         return extract_task(str(source), str(ws.store), str(ws.root), memory_limit)
 
 
+def _completed(futures: list, parts: list, advance) -> list:
+    """Wait for mapped futures, telling ``advance`` the stays of each as it finishes; the futures in order."""
+    stays_of = {f.task_run_id: len(p) for f, p in zip(futures, parts)}
+    for f in as_completed(futures):
+        advance(stays_of[f.task_run_id])
+    return futures
+
+
 @flow(name="forgetful-evaluate")
 def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
              fractions: tuple[float, ...] = DEFAULT_FRACTIONS, max_events: int | None = None,
@@ -197,32 +205,40 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
                   memory_budget=unmapped(memory_budget))
     settings, cfg = None, workspace_config(ws.root)
     if tokens == "hourly":
-        streams, settings, cohort = prepare_token_streams_task(str(ws.root))
-        parts = balanced_chunks(streams, n_chunks, size=len)
-        fixed = cfg["protocols"]["fixed_context"]
-        futures = score_token_chunk.map(parts, settings=unmapped(settings), fixed=unmapped(fixed), **common)
+        index, cohort = prepare_token_run_task(str(ws.root))
+        settings, fixed = index.settings, cfg["protocols"]["fixed_context"]
+
+        def score_batch(batch: list[TokenStream], advance) -> list[dict]:
+            parts = balanced_chunks(batch, n_chunks, size=len)
+            futures = score_token_chunk.map(parts, settings=unmapped(settings), fixed=unmapped(fixed), **common)
+            return [r for f in _completed(futures, parts, advance) for r in f.result()]
+        scored = score_pending(ws, index, cfg, ScoringPlan(tuple(budgets), tuple(fractions), memory_budget,
+                                                           max(budgets) if budgets else None), score_batch)
+        n_stays = cohort["eval_stays"]
+        summary, paired = run_statistics(ws)
     else:
         streams, cohort = prepare_streams(str(ws.root), max_events)
         parts = balanced_chunks(streams, n_chunks)
         futures = score_chunk.map(parts, **common)
-    stays_of = {f.task_run_id: len(p) for f, p in zip(futures, parts)}
-    with progress.step("scoring evaluation stays", total=len(streams), unit="stays") as advance:
-        for f in as_completed(futures):
-            advance(stays_of[f.task_run_id])
-    # rows in chunk order, not completion order: the bootstrap draws over stays in row order
-    rows = long_rows([r for f in futures for r in f.result()])
-    save_results_task(rows, str(ws.root))
-    summary, paired = aggregate(rows)
+        with progress.step("scoring", total=len(streams), unit="stays") as advance:
+            _completed(futures, parts, advance)
+        # rows in chunk order, not completion order: the bootstrap draws over stays in row order
+        rows = long_rows([r for f in futures for r in f.result()])
+        save_results_task(rows, str(ws.root))
+        with progress.step("statistics"):
+            summary, paired = aggregate(rows)
+        n_stays, scored = len(streams), len(streams)
     metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0,
                             tokens=tokens, settings=settings, cfg=cfg)
-    get_run_logger().info("scored %d evaluation stays (%s) at %d budgets", len(streams), tokens,
-                          len(budgets) + len(fractions))
+    get_run_logger().info("%d evaluation stays (%s) at %d budgets, %d scored now (the rest cached)", n_stays, tokens,
+                          len(budgets) + len(fractions), scored)
     return {"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata}
 
 
 @flow(name="forgetful-report")
 def report(root: str | Path, result: dict) -> str:
-    path = render_task(result, str(Workspace(root).root))
+    with progress.step("report"):
+        path = render_task(result, str(Workspace(root).root))
     headline = [{"protocol": r["protocol"], "tokens": r["tokens"], "label": r["label"], "budget": r["budget"],
                  "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
                  "ci": f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]", "n": r["n"]}
@@ -254,7 +270,7 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None,
     """
     if tokens not in TOKEN_MODES:
         raise ValueError(f"tokens must be one of {TOKEN_MODES}, got {tokens!r}")
-    ws = Workspace(root)
+    ws, started = Workspace(root), time.time()
     with workspace_lock(ws.root, wait_seconds=lock_wait_seconds, purpose="scheduled run"):
         recover(ws.root)
         install_config(ws.root, config)
@@ -270,6 +286,7 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None,
             "not trained: learned keys are for raw events (--tokens events with encoder steps > 0)"
         result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget, tokens)
         path = report(str(ws.root), result)
+        write_phases(ws, started)
     return {"report": path, "result": result}
 
 

@@ -124,6 +124,34 @@ def write_label_file(labels: pl.DataFrame, path: Path) -> None:
     _atomic_table(table, Path(path))
 
 
+class LabelFiles:
+    """MEDS label files written part by part (a run's labels, shard by shard), each made atomically on close."""
+
+    def __init__(self, paths: dict[str, Path]):
+        self.paths = {n: Path(p) for n, p in paths.items()}
+        self._writers = {}
+
+    def write(self, name: str, labels: pl.DataFrame) -> None:
+        table = meds.LabelSchema.align(labels.select("subject_id", "prediction_time", "boolean_value")
+                                       .sort("subject_id", "prediction_time").to_arrow())
+        meds.LabelSchema.validate(table)
+        if name not in self._writers:
+            tmp = Path(str(self.paths[name]) + ".tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            self._writers[name] = pq.ParquetWriter(tmp, table.schema)
+        self._writers[name].write_table(table)
+
+    def close(self) -> list[Path]:
+        for name, path in self.paths.items():
+            if name not in self._writers:       # no token at all: an empty, valid label file
+                write_label_file(pl.DataFrame(schema={"subject_id": pl.Int64, "prediction_time": pl.Datetime("us"),
+                                                      "boolean_value": pl.Boolean}), path)
+                continue
+            self._writers.pop(name).close()
+            os.replace(Path(str(path) + ".tmp"), path)
+        return list(self.paths.values())
+
+
 def read_codes_metadata(store: Path) -> pl.DataFrame | None:
     p = codes_metadata_path(store)
     return pl.read_parquet(p) if p.exists() else None

@@ -5,7 +5,8 @@ from datetime import datetime, timedelta
 
 import polars as pl
 
-from cohorts.characteristics import Count, Spread, describe_cohort
+from cohorts.characteristics import Count, Spread, death_stays, describe_cohort, token_counts
+from cohorts.definitions import deterioration_hours
 from cohorts.provenance import provenance
 from reports.html import render_report
 from tests.builders import hand_result
@@ -36,12 +37,18 @@ def labelled():
                          "composite": [True, False, False, False, False, False]})
 
 
+def describe(root, with_tokens=True):
+    ev = events()
+    return describe_cohort(root, CFG, cohort(), death_stays(ev, CFG), deterioration_hours(ev, CFG),
+                           token_counts(labelled(), ["composite"]) if with_tokens else None)
+
+
 def test_table_one_by_split(tmp_path):
     q = tmp_path / "quarantine"
     q.mkdir()
     pl.DataFrame({"subject_id": [1, 2, 3], "reason": ["negative_value", "negative_value", "outside_stay"]}) \
         .write_parquet(q / "run-1.parquet")
-    t = describe_cohort(tmp_path, CFG, cohort(), events(), labelled())
+    t = describe(tmp_path)
     rows = {(r.group, r.name): r.cells for r in t.rows}
     assert rows[("", "ICU stays")] == (Count(3), Count(2), Count(1))
     assert rows[("", "patients")] == (Count(2), Count(1), Count(1))
@@ -59,7 +66,7 @@ def test_table_one_by_split(tmp_path):
     assert crit[("low_map", "stays (% of stays)")] == (Count(1, 3), Count(1, 2), Count(0, 1))
     assert crit[("icu_death", "stays (% of stays)")] == (Count(1, 3), Count(0, 2), Count(1, 1))
     assert t.quarantine == {"negative_value": 2, "outside_stay": 1}
-    assert describe_cohort(tmp_path / "empty", CFG, cohort(), events()).quarantine == {}
+    assert describe(tmp_path / "empty", False).quarantine == {}
 
 
 def test_provenance_names_files_code_packages_and_config(tmp_path):
@@ -79,7 +86,7 @@ def test_provenance_names_files_code_packages_and_config(tmp_path):
 
 def test_report_shows_the_cohort_and_provenance_and_keeps_them_in_its_json(tmp_path):
     result = hand_result()
-    result["cohort"]["characteristics"] = describe_cohort(tmp_path, CFG, cohort(), events(), labelled())
+    result["cohort"]["characteristics"] = describe(tmp_path)
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "manifest.json").write_text(json.dumps({"files": {}, "runs": []}))
     result["provenance"] = provenance(tmp_path / "store", tmp_path, "hand-built")

@@ -117,7 +117,7 @@ def test_each_label_on_hand_made_stays(store):
     assert tok["composite_vitals"].to_list() == [True] * 5 + [False]   # HR 135 (filled) > 130; then 100
     assert tok["heldout_spo2"].to_list() == [False, False, False, True, False, False]
     assert tok["clinical_criteria"].to_list() == [False, False, False, True, False, False]  # MAP 60 at hour 3
-    streams = token_streams(label_tokens(table, root, cfg), table, cfg)
+    streams = token_streams(label_tokens(table, root, cfg), table.scaling, cfg)
     (s,) = streams
     assert s.keys["all_channels"].shape == (6, 6) and s.keys["without_spo2"].shape == (6, 5)
     assert s.label_keyset == {"composite_vitals": "all_channels", "heldout_spo2": "without_spo2",

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 _state = {"enabled": False}
+# Every step of this process, as it ran: (name, wall-clock start, end) -- the scale bench reads a run's phases.
+phases: list[tuple[str, float, float]] = []
+PLAIN_EVERY_S = 10.0       # a plain progress line at least this often during a long step
 
 
 def configure(enabled: bool) -> None:
@@ -25,13 +28,18 @@ def _plain(name, total, unit):
     t0 = time.perf_counter()
     done = [0]
     next_mark = [0.1]
+    last = [t0]
     print(f"{name}...", file=sys.stderr, flush=True)
 
     def advance(n=1):
         done[0] += n
-        if total and done[0] / total >= next_mark[0]:
-            print(f"{name}: {done[0]}/{total} {unit}", file=sys.stderr, flush=True)
-            next_mark[0] = min(1.0, next_mark[0] + 0.1) if done[0] < total else 2.0
+        now = time.perf_counter()
+        if total and (done[0] / total >= next_mark[0] or now - last[0] >= PLAIN_EVERY_S):
+            eta = (now - t0) / done[0] * (total - done[0]) if done[0] else float("nan")
+            print(f"{name}: {done[0]}/{total} {unit}, {now - t0:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            last[0] = now
+            while next_mark[0] <= done[0] / total:
+                next_mark[0] += 0.1
     return advance, lambda: print(f"{name}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
                                   flush=True)
 
@@ -39,6 +47,16 @@ def _plain(name, total, unit):
 @contextmanager
 def step(name: str, total: int | None = None, unit: str = "items") -> Iterator:
     """A long step; yields ``advance(n=1)`` to count finished items (ignored without a ``total``)."""
+    start = time.time()
+    try:
+        with _shown(name, total, unit) as advance:
+            yield advance
+    finally:
+        phases.append((name, start, time.time()))
+
+
+@contextmanager
+def _shown(name, total, unit):
     if not _state["enabled"]:
         yield lambda n=1: None
         return

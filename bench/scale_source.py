@@ -1,0 +1,94 @@
+"""A MIMIC-IV-shaped source at real per-stay volumes: the open demo's subjects cloned with fresh ids.
+
+Clone 0 is the demo itself; clone c > 0 adds ``c * ID_OFFSET`` to every subject, admission and stay id (so
+ids never collide and the subject-level split differs between clones) and multiplies each chart and lab
+``valuenum`` by a deterministic factor within 1 % (so clones are not byte-identical streams). Tables without
+patient ids (the ``d_`` dictionaries, ``provider``, ``caregiver``) are copied once. Written with DuckDB,
+table by table, without holding any table in Python.
+
+    python bench/scale_source.py --demo ../shared/data/mimic-iv-demo --stays 730 --out /tmp/src
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+from pathlib import Path
+
+import duckdb
+
+ID_OFFSET = 100_000_000            # above every MIMIC-IV id (subject 1e7.., hadm 2e7.., stay 3e7..)
+ID_COLUMNS = ("subject_id", "hadm_id", "stay_id")
+PERTURBED = {"chartevents": "valuenum", "labevents": "valuenum"}
+MIMIC_IV_ICU_STAYS = 73_181        # MIMIC-IV 2.2 icustays
+
+
+def _lit(p: Path) -> str:
+    return "'" + str(p).replace("'", "''") + "'"
+
+
+def clones_for(demo: Path, stays: int) -> int:
+    """How many copies of the demo give at least ``stays`` ICU stays."""
+    con = duckdb.connect()
+    n = con.execute(f"SELECT count(*) FROM read_csv({_lit(demo / 'icu' / 'icustays.csv.gz')})").fetchall()[0][0]
+    return max(1, math.ceil(stays / n))
+
+
+def _clone_table(con, src: Path, dst: Path, clones: int) -> None:
+    cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_csv({_lit(src)}, all_varchar=true)").fetchall()]
+    table = src.name.split(".")[0]
+    if not any(c in ID_COLUMNS for c in cols):
+        shutil.copyfile(src, dst)
+        return
+
+    def expr(c: str) -> str:
+        if c in ID_COLUMNS:
+            return f"CASE WHEN {c} IS NULL OR {c} = '' THEN {c} ELSE CAST(CAST({c} AS BIGINT) + k * {ID_OFFSET} AS VARCHAR) END AS {c}"
+        if PERTURBED.get(table) == c:
+            # a factor in [0.99, 1.01] from the row's own content: deterministic, different per clone
+            f = f"(1 + 0.01 * ((hash(k, subject_id, charttime, itemid) % 2001)::DOUBLE - 1000) / 1000)"
+            return (f"CASE WHEN k = 0 OR TRY_CAST({c} AS DOUBLE) IS NULL THEN {c} "
+                    f"ELSE CAST(round(CAST({c} AS DOUBLE) * {f}, 4) AS VARCHAR) END AS {c}")
+        return c
+    select = ", ".join(expr(c) for c in cols)
+    con.execute(f"""COPY (SELECT {select} FROM read_csv({_lit(src)}, all_varchar=true),
+                                 range(0, {clones}) r(k) ORDER BY k)
+                    TO {_lit(dst)} (FORMAT csv, HEADER, COMPRESSION gzip)""")
+
+
+def make_source(demo: Path, out: Path, clones: int) -> Path:
+    """``clones`` copies of the demo at ``out`` (kept when it already holds that many: the bench reruns)."""
+    demo, out = Path(demo), Path(out)
+    marker = out / ".clones"
+    if marker.exists() and marker.read_text() == str(clones):
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order = true")
+    for sub in ("hosp", "icu"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+        for src in sorted((demo / sub).glob("*.csv.gz")):
+            _clone_table(con, src, out / sub / src.name, clones)
+    marker.write_text(str(clones))
+    return out
+
+
+def add_late_rows(src: Path, dst: Path, fraction: float, new_clone: int) -> Path:
+    """``src`` plus about ``fraction`` new rows: one more clone's stays (new patients) sized to the fraction,
+    and late chart rows for existing stays (a copy of some rows an hour later). For the incremental rerun."""
+    raise NotImplementedError
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--demo", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/mimic-iv-demo")
+    ap.add_argument("--stays", type=int, default=730)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    k = clones_for(a.demo, a.stays)
+    make_source(a.demo, a.out, k)
+    print(f"{k} clones of {a.demo} at {a.out}")
+
+
+if __name__ == "__main__":
+    main()

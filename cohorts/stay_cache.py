@@ -1,0 +1,72 @@
+"""Per-stay results cached in the workspace, so a nightly run recomputes only stays whose rows, config or code
+changed.
+
+One folder of parquet parts per kind and shard, ``WS/cache/<kind>/<K>/``, whose rows carry a ``key`` column: a content
+key (a digest of the stay's rows, the config and the code, see :mod:`cohorts.stay_chunks`), never an
+identifier. A run reads the keys present, computes the missing ones, and rewrites the shard's table with the
+keys still wanted (entries of stays that changed or left, a deleted patient's among them, are dropped).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import polars as pl
+
+CACHE_DIR = "cache"
+
+
+class StayCache:
+    """The cached rows of one kind (``tokens``, ``scores``, ...) of a workspace: per shard, a folder of parts
+    (a run appends a part per batch; :meth:`update` compacts the shard to the keys still wanted)."""
+
+    def __init__(self, root: Path, kind: str):
+        self.dir = Path(root) / CACHE_DIR / kind
+
+    def parts(self, shard: int) -> list[Path]:
+        d = self.dir / str(int(shard))
+        return sorted(d.glob("*.parquet")) if d.exists() else []
+
+    def keys(self, shard: int) -> set[str]:
+        parts = self.parts(shard)
+        if not parts:
+            return set()
+        return set(pl.scan_parquet(parts).select("key").unique().collect()["key"].to_list())
+
+    def read(self, shard: int, keys: set[str] | list[str] | None = None) -> pl.DataFrame | None:
+        parts = self.parts(shard)
+        if not parts:
+            return None
+        scan = pl.scan_parquet(parts)
+        if keys is not None:
+            scan = scan.filter(pl.col("key").is_in(pl.Series(list(keys), dtype=pl.String).implode()))
+        return scan.collect()
+
+    def scan(self) -> pl.LazyFrame | None:
+        files = sorted(self.dir.glob("*/*.parquet"))
+        return pl.scan_parquet(files) if files else None
+
+    def append(self, shard: int, frames: list[pl.DataFrame]) -> None:
+        frames = [f for f in frames if f is not None and f.height]
+        if not frames:
+            return
+        d = self.dir / str(int(shard))
+        d.mkdir(parents=True, exist_ok=True)
+        n = len(self.parts(shard))
+        target = d / f"part-{n:05d}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = target.with_suffix(".tmp")
+        pl.concat(frames, how="diagonal_relaxed").write_parquet(tmp)
+        os.replace(tmp, target)
+
+    def update(self, shard: int, keep: set[str], new: list[pl.DataFrame] = ()) -> None:
+        """The shard's rows become those whose key is in ``keep`` plus ``new``, in one part."""
+        old = self.read(shard, keep) if keep else None
+        stale = self.parts(shard)
+        self.append(shard, ([old] if old is not None else []) + list(new))
+        for p in stale:
+            p.unlink()
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""The cohort's stays in chunks over the store's shards: what a run reads at a time, never the whole store.
+
+A chunk is a run of whole subjects of one shard (``data/K.parquet`` holds the subjects with
+``subject_id % N_BUCKETS == K``, sorted by subject), at most ``max_stays`` stays, so a chunk's events are one
+shard's row groups between two subject ids: memory grows with the largest chunk, not with the cohort.
+Each stay gets a **content digest** of the rows a run reads for it (its own events and the hospital-level
+events inside its window, by event hash and occurrence, and its row of the stay table); with the cohort
+config's and the code's digests it keys every per-stay cache (:mod:`cohorts.stay_cache`).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.extract import scan_events_in
+from pipeline.extract_rules import N_BUCKETS
+from pipeline.meds import shard_of
+
+DEFAULT_CHUNK_STAYS = 256
+EVENT_COLUMNS = ["stay_id", "subject_id", "time", "code", "numeric_value", "unit", "source_table", "event_hash",
+                 "occurrence", "intime"]
+STAY_ROW = ["stay_id", "subject_id", "intime", "outtime", "anchor_age", "first_careunit"]
+
+
+@dataclass(frozen=True)
+class StayChunk:
+    """Whole subjects of one shard: their cohort rows (stay_id, subject_id, split, intime, outtime, ...)."""
+    shard: int
+    stays: pl.DataFrame
+
+    @property
+    def subjects(self) -> pl.Series:
+        return self.stays["subject_id"].unique().sort()
+
+    def __len__(self) -> int:
+        return self.stays.height
+
+
+def shard_index(subject: pl.Expr) -> pl.Expr:
+    return (subject % N_BUCKETS).cast(pl.Int64)
+
+
+def plan_chunks(cohort: pl.DataFrame, max_stays: int = DEFAULT_CHUNK_STAYS) -> list[StayChunk]:
+    """The cohort split into chunks of whole subjects, shard by shard, at most ``max_stays`` stays each (a
+    subject with more stays than that is one chunk)."""
+    chunks = []
+    frame = cohort.with_columns(shard_index(pl.col("subject_id")).alias("_shard")).sort("_shard", "subject_id",
+                                                                                          "stay_id")
+    for (k,), part in frame.group_by(["_shard"], maintain_order=True):
+        part = part.drop("_shard")
+        sizes = part.group_by("subject_id", maintain_order=True).len()
+        start, count = 0, 0
+        for n in sizes["len"].to_list():
+            if count and count + n > max_stays:
+                chunks.append(StayChunk(int(k), part.slice(start, count)))
+                start, count = start + count, 0
+            count += n
+        if count:
+            chunks.append(StayChunk(int(k), part.slice(start, count)))
+    return chunks
+
+
+def in_windows(events: pl.LazyFrame, stays: pl.DataFrame) -> pl.LazyFrame:
+    """Every event inside each stay's window, with its hour of stay (the rule of a run: events carrying a
+    cohort stay's id as they are; hospital-level events without one attached to the stay whose window
+    contains them)."""
+    win = stays.select("stay_id", "subject_id", "intime", "outtime").lazy()
+    with_stay = events.filter(pl.col("stay_id").is_not_null()).join(win.drop("subject_id"), on="stay_id")
+    without = (events.filter(pl.col("stay_id").is_null()).drop("stay_id").join(win, on="subject_id")
+               .filter((pl.col("time") >= pl.col("intime")) & (pl.col("time") <= pl.col("outtime"))))
+    out = pl.concat([with_stay.select(EVENT_COLUMNS), without.select(EVENT_COLUMNS)])
+    hour = ((pl.col("time") - pl.col("intime")).dt.total_seconds() // 3600).cast(pl.Int64).clip(lower_bound=0)
+    return out.with_columns(hour.alias("hour")).drop("intime")
+
+
+def chunk_events(store: Path, chunk: StayChunk) -> pl.DataFrame:
+    """The chunk's stay events in stay and time order, reading only its shard between its first and last
+    subject (row groups outside that range are skipped by their statistics)."""
+    subjects = chunk.subjects
+    events = scan_events_in(shard_of(store, int(subjects[0]))).filter(
+        pl.col("subject_id").is_between(int(subjects[0]), int(subjects[-1])) &
+        pl.col("subject_id").is_in(subjects.implode()))
+    return in_windows(events, chunk.stays).sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect()
+
+
+def stay_digests(events: pl.DataFrame, stays: pl.DataFrame) -> dict[int, str]:
+    """stay_id -> a digest of the stay's rows: every event the run reads for it (by content hash and
+    occurrence, in any order: a multiset hash) and its row of the stay table."""
+    h = pl.concat_str(pl.col("event_hash"), pl.col("occurrence").cast(pl.String), separator="|").hash(seed=7)
+    per_stay = (events.select("stay_id", h.alias("h")).group_by("stay_id")
+                .agg(pl.col("h").sum().alias("sum"), pl.col("h").min().alias("min"), pl.len().alias("n")))
+    agg = {r[0]: r[1:] for r in per_stay.iter_rows()}
+    out = {}
+    for row in stays.select(*[c for c in STAY_ROW if c in stays.columns]).iter_rows():
+        content = repr((row, agg.get(row[0])))
+        out[int(row[0])] = hashlib.sha256(content.encode()).hexdigest()[:32]
+    return out
+
+
+def code_digest() -> str:
+    """A digest of the code that computes per-stay results (the packages below flows/reports) and of the
+    numerical libraries' versions: a change of either recomputes every cached stay."""
+    from importlib.metadata import PackageNotFoundError, version
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in ("memory", "pipeline", "cohorts"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    for name in ("numpy", "scipy", "numba", "polars", "scikit-learn"):
+        try:
+            h.update(f"{name}={version(name)}".encode())
+        except PackageNotFoundError:
+            pass
+    return h.hexdigest()[:32]

@@ -1,0 +1,508 @@
+"""The hourly-token run over a workspace, chunk by chunk and cached per stay.
+
+Phases (each reports progress; memory grows with the largest chunk of stays, not with the cohort):
+
+1. **tokens** (:func:`stay_facts`): per chunk of whole subjects of one shard (:mod:`cohorts.stay_chunks`),
+   each stay's content key; for stays whose key is not cached, their filled tokens, per-channel reading
+   counts, the hours each deterioration criterion fires, a death flag and their per-code event counts, into
+   the per-stay caches (:mod:`cohorts.stay_cache`). A shard whose file, stays, config and code are unchanged
+   since the last run is not read at all.
+2. **labels** (:func:`label_run`): the rare-code vocabulary from the cached training-split code counts; the
+   hours holding a rare code (cached per stay and vocabulary); token scaling (declared in the config, or
+   fitted on the cached training tokens); then shard by shard the labelled tokens: MEDS label files, the
+   cohort table's counts, and the training stays' streaming-setting scores (cached per stream).
+3. **scoring**: :func:`pending_streams` yields the evaluation streams whose scores are not cached, in
+   batches the flow maps over its task runner; :func:`store_scores` caches their rows.
+4. :func:`write_results`: the per-stay result rows of the run, written shard by shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+
+from pipeline.extract import scan_events_in, store_codes
+from pipeline.extract_rules import N_BUCKETS
+from pipeline.meds import LabelFiles, shard_of
+from pipeline.privacy import keyed_hash, store_key
+
+from .characteristics import death_stays, describe_cohort
+from .definitions import CohortConfigError, build_cohort, deterioration_hours, rare_from_counts
+from .protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on, token_streams)
+from .stay_cache import StayCache
+from .stay_chunks import StayChunk, chunk_events, code_digest, in_windows, plan_chunks, stay_digests
+from .tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, filled_tokens, label_specs,
+                     reading_spec, threshold_expr)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from pipeline.workspace import Workspace
+
+KINDS = ("tokens", "facts", "fired", "codes", "rare", "grid", "scores")
+INDEX = "index"
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def config_digest(cfg: dict) -> str:
+    return _digest(cfg)
+
+
+@dataclass
+class StayIndex:
+    """The cohort's stays with their shard and content key (``key``), and what the run derived globally."""
+    cohort: pl.DataFrame                  # build_cohort's rows + shard, key
+    rare: set = field(default_factory=set)
+    rare_threshold: float = 0.0
+    scaling: TokenScaling | None = None
+    settings: StreamingSettings | None = None
+    computed: dict = field(default_factory=dict)   # per phase: stays computed (the rest came from the cache)
+
+    def shard_rows(self, shard: int) -> pl.DataFrame:
+        return self.cohort.filter(pl.col("shard") == shard)
+
+
+def _shard_fingerprint(store: Path, shard: int, stays: pl.DataFrame, cfg_key: str) -> str:
+    p = shard_of(store, shard)
+    st = p.stat() if p.exists() else None
+    rows = stays.drop("split").sort("stay_id").rows() if stays.height else []
+    return _digest(shard, (st.st_size, st.st_mtime_ns) if st else None, rows, cfg_key)
+
+
+def _index_path(ws: Workspace, shard: int) -> Path:
+    return ws.root / "cache" / INDEX / f"{shard}.json"
+
+
+def _load_index(ws: Workspace, shard: int) -> dict:
+    p = _index_path(ws, shard)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _save_index(ws: Workspace, shard: int, fingerprint: str, keys: dict[str, str]) -> None:
+    p = _index_path(ws, shard)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "keys": keys}))
+    tmp.replace(p)
+
+
+def _stay_refs(stay_ids: list[int], key: bytes) -> list[str]:
+    """Opaque per-stay names for the cache's index (keyed hashes, as the per-stay memory files)."""
+    return [keyed_hash(f"stay:{int(s)}", key)[:32] for s in stay_ids]
+
+
+def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], cfg: dict, spec: pl.DataFrame,
+                 names: list[str]) -> dict[str, pl.DataFrame]:
+    """The cached facts of the chunk's stays (already restricted to the stays to compute), keyed by content key."""
+    hours_per_bin = bin_hours(cfg)
+    key_of = pl.DataFrame({"stay_id": list(keys), "key": list(keys.values())},
+                          schema={"stay_id": pl.Int64, "key": pl.String})
+    filled, counts = filled_tokens(events.lazy(), spec, chunk.stays, names, hours_per_bin)
+    tokens = (filled.join(key_of, on="stay_id")
+              .with_columns(pl.col("event_hash").list.min().alias("first_hash"))
+              .select("key", "hour", *names, "readings", "first_hash"))
+    fired = deterioration_hours(events, cfg)
+    with_event = events.select("stay_id", "hour").unique().with_columns(pl.lit(True).alias("has_event"))
+    fired = (fired.join(with_event, on=["stay_id", "hour"], how="left")
+             .with_columns(pl.col("has_event").fill_null(False)).join(key_of, on="stay_id")
+             .select("key", "hour", "criterion", "has_event"))
+    died = death_stays(events, cfg)
+    per_channel = counts.join(key_of, on="stay_id").select("key", "channel", "readings", "artifacts")
+    facts = key_of.with_columns(pl.col("stay_id").is_in(died.implode()).alias("died")).drop("stay_id")
+    codes = (events.group_by("stay_id", "code").agg(pl.len().cast(pl.Int64).alias("n")).join(key_of, on="stay_id")
+             .select("key", "code", "n"))
+    return {"tokens": tokens, "facts": facts.join(per_channel, on="key", how="left"), "fired": fired, "codes": codes}
+
+
+def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Callable | None = None) -> StayIndex:
+    """Phase 1: every cohort stay's content key, and the per-stay facts of the stays not yet cached.
+
+    ``on_chunk(n)`` is told the stays of every chunk done (progress)."""
+    store = ws.store
+    cohort = build_cohort(store, cfg)
+    cohort = cohort.with_columns((pl.col("subject_id") % N_BUCKETS).cast(pl.Int64).alias("shard"))
+    cfg_key = _digest(config_digest(cfg), code_digest())
+    channels = channels_from_config(cfg)
+    names = [c.name for c in channels]
+    spec = reading_spec(channels, store_codes(store))
+    secret = store_key(store, ws.root)
+    caches = {k: StayCache(ws.root, k) for k in ("tokens", "facts", "fired", "codes")}
+    keys_all, computed = {}, 0
+    for shard in range(N_BUCKETS):
+        rows = cohort.filter(pl.col("shard") == shard).drop("shard")
+        fp = _shard_fingerprint(store, shard, rows, cfg_key)
+        refs = _stay_refs(rows["stay_id"].to_list(), secret)
+        index = _load_index(ws, shard)
+        cached = caches["facts"].keys(shard) if index.get("fingerprint") == fp else None
+        if cached is not None and all(index["keys"].get(r) in cached for r in refs):
+            keys_all.update({s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)})
+            if on_chunk is not None:
+                on_chunk(rows.height)
+            continue
+        present = caches["facts"].keys(shard)
+        shard_keys, new = {}, {k: [] for k in caches}
+        for chunk in plan_chunks(rows, chunk_stays):
+            events = chunk_events(store, chunk)
+            digests = stay_digests(events, chunk.stays)
+            keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
+            shard_keys.update(keys)
+            todo = {s: k for s, k in keys.items() if k not in present}
+            if todo:
+                mine = pl.Series(list(todo), dtype=pl.Int64).implode()
+                part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
+                for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo, cfg,
+                                                spec, names).items():
+                    new[kind].append(frame)
+                computed += len(todo)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
+        wanted = set(shard_keys.values())
+        for kind, cache in caches.items():
+            cache.update(shard, wanted & present, new[kind])
+        _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])))
+        keys_all.update(shard_keys)
+    key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
+    return StayIndex(cohort.with_columns(key_col), computed={"tokens": computed})
+
+
+def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: dict) -> None:
+    """The rare codes of the run, from the cached per-stay code counts: the training split's counts and every
+    code of the cohort's stays."""
+    codes = StayCache(ws.root, "codes").scan()
+    if codes is None:
+        index.rare, index.rare_threshold = set(), 0.0
+        return
+    keys = index.cohort.select("key", "split")
+    per_code = codes.join(keys.lazy(), on="key")
+    train = (per_code.filter(pl.col("split") == "train").group_by("code").agg(pl.col("n").sum().alias("len"))
+             .sort("code").collect())
+    every = set(per_code.select("code").unique().collect()["code"].to_list())
+    index.rare, index.rare_threshold = rare_from_counts(train, every, cfg)
+
+
+def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int, on_chunk: Callable | None) -> None:
+    """Phase 2a: per stay the hours holding a rare code, cached under the stay's key and the vocabulary."""
+    cache = StayCache(ws.root, "rare")
+    vocab = _digest(sorted(index.rare))
+    index.cohort = index.cohort.with_columns(
+        pl.col("key").map_elements(lambda k: _digest(k, vocab), return_dtype=pl.String).alias("rare_key"))
+    rare = pl.Series(sorted(index.rare), dtype=pl.String).implode()
+    computed = 0
+    for shard in range(N_BUCKETS):
+        rows = index.shard_rows(shard)
+        present = cache.keys(shard)
+        todo = rows.filter(~pl.col("rare_key").is_in(pl.Series(list(present), dtype=pl.String).implode()))
+        new = []
+        for chunk in plan_chunks(todo.drop("key", "rare_key", "shard"), chunk_stays) if todo.height else []:
+            subjects = chunk.subjects
+            events = scan_events_in(shard_of(ws.store, shard)).filter(
+                pl.col("subject_id").is_between(int(subjects[0]), int(subjects[-1])) &
+                pl.col("subject_id").is_in(subjects.implode()) & pl.col("code").is_in(rare))
+            hours = in_windows(events, chunk.stays).select("stay_id", "hour").unique().collect()
+            keys = chunk.stays.join(todo.select("stay_id", "rare_key"), on="stay_id").select("stay_id", "rare_key")
+            marker = keys.select(pl.col("rare_key").alias("key"), pl.lit(None, dtype=pl.Int64).alias("hour"))
+            new += [marker, hours.join(keys, on="stay_id").select(pl.col("rare_key").alias("key"), "hour")]
+            computed += chunk.stays.height
+            if on_chunk is not None:
+                on_chunk(chunk.stays.height)
+        cache.update(shard, set(rows["rare_key"].to_list()) & present, new)
+        if on_chunk is not None:
+            on_chunk(rows.height - todo.height)
+    index.computed["rare"] = computed
+
+
+def fit_scaling(ws: Workspace, index: StayIndex, names: list[str]) -> TokenScaling:
+    """Training-split statistics per channel from the cached tokens (as :meth:`TokenScaling.fit`), in a fixed
+    row order so a cached and a fresh run agree to the last bit."""
+    tokens = StayCache(ws.root, "tokens").scan()
+    train = index.cohort.filter(pl.col("split") == "train").select("stay_id", "key")
+    frame = (tokens.join(train.lazy(), on="key").sort("stay_id", "hour").select(names).collect()
+             if tokens is not None else pl.DataFrame(schema={n: pl.Float64 for n in names}))
+    return TokenScaling.fit(frame, names)
+
+
+def declared_scaling(cfg: dict, names: list[str]) -> TokenScaling | None:
+    """Token scaling declared in the cohort config (``tokens.scaling: reference`` with per-channel
+    ``reference: {median, mean, sd}``): independent of the patients; None when the config asks for the
+    training split's statistics."""
+    spec = cfg.get("tokens") or {}
+    if spec.get("scaling", "training_split") != "reference":
+        return None
+    ref = {c["name"]: c.get("reference") for c in spec["channels"]}
+    missing = [n for n in names if not ref.get(n) or not all(k in ref[n] for k in ("median", "mean", "sd"))]
+    if missing:
+        raise CohortConfigError(f"tokens.scaling is 'reference' but channel(s) {missing} lack reference: "
+                                f"{{median, mean, sd}}")
+    return TokenScaling(list(names), np.array([float(ref[n]["median"]) for n in names]),
+                        np.array([float(ref[n]["mean"]) for n in names]),
+                        np.array([float(ref[n]["sd"]) for n in names]))
+
+
+def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split: str | None = None) -> pl.DataFrame:
+    """The labelled, imputed tokens of one shard's cohort stays (of ``split`` only when given), in stay and
+    hour order: the frame :func:`cohorts.tokens.label_tokens` gives for those stays."""
+    names = index.scaling.channels
+    hours_per_bin = bin_hours(cfg)
+    rows = index.shard_rows(shard)
+    if split is not None:
+        rows = rows.filter(pl.col("split") == split)
+    tokens = StayCache(ws.root, "tokens").read(shard, rows["key"].to_list())
+    if tokens is None or rows.height == 0:
+        return pl.DataFrame()
+    tok = (tokens.join(rows.select("key", "stay_id", "subject_id", "split", "intime"), on="key")
+           .with_columns((pl.col("intime") + pl.duration(seconds=pl.col("hour") * int(3600 * hours_per_bin)))
+                         .alias("time")))
+    tok = index.scaling.impute(tok)
+    specs = label_specs(cfg)
+    tok = tok.with_columns(threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s)
+    bins = {}
+    fired = StayCache(ws.root, "fired").read(shard, rows["key"].to_list())
+    if fired is not None:
+        bins["deterioration"] = (fired.filter(pl.col("has_event")).join(rows.select("key", "stay_id"), on="key")
+                                 .select("stay_id", "hour"))
+    rare = StayCache(ws.root, "rare").read(shard, rows["rare_key"].to_list())
+    if rare is not None:
+        bins["rare_items"] = (rare.drop_nulls("hour").join(rows.select(pl.col("rare_key").alias("key"), "stay_id"),
+                                                           on="key").select("stay_id", "hour"))
+    for n, s in specs.items():
+        if "thresholds" in s:
+            continue
+        b = bins.get(s["from"])
+        if b is None or b.height == 0:
+            tok = tok.with_columns(pl.lit(False).alias(n))
+            continue
+        b = (b.with_columns((pl.col("hour") // hours_per_bin).cast(pl.Int64).alias("hour")).unique()
+             .with_columns(pl.lit(True).alias(n)))
+        tok = tok.join(b, on=["stay_id", "hour"], how="left").with_columns(pl.col(n).fill_null(False))
+    return tok.drop("key", "intime", "first_hash").sort("stay_id", "hour")
+
+
+def stream_digest(stream: TokenStream) -> str:
+    """A digest of what scoring reads of a stream: its stay's seed, every key set's keys and every label."""
+    h = hashlib.sha256(str(int(stream.stay_id)).encode())
+    for name in sorted(stream.keys):
+        h.update(name.encode() + np.ascontiguousarray(stream.keys[name], dtype=np.float64).tobytes())
+    for name in sorted(stream.labels):
+        h.update(name.encode() + stream.label_keyset[name].encode() + np.asarray(stream.labels[name]).tobytes())
+    return h.hexdigest()[:32]
+
+
+def _selection_sample(index: StayIndex, cfg: dict) -> set[int]:
+    """The training stays the streaming setting is chosen on: all of them, or the first ``select_max_stays``
+    in a keyed order of their ids (a fixed, data-independent subsample that bounds the choice's cost)."""
+    train = index.cohort.filter(pl.col("split") == "train")["stay_id"].to_list()
+    cap = cfg["protocols"]["streaming"].get("select_max_stays")
+    if cap is None or len(train) <= int(cap):
+        return set(train)
+    salt = cfg["split"]["salt"]
+    rank = sorted(train, key=lambda s: hashlib.sha256(f"{salt}:select:{int(s)}".encode()).digest())
+    return set(rank[:int(cap)])
+
+
+def declared_settings(cfg: dict) -> StreamingSettings | None:
+    """nu_B and sigma declared in the config (``protocols.streaming.nu`` and ``sigma``), else None (chosen on
+    the training split)."""
+    st = cfg["protocols"]["streaming"]
+    return StreamingSettings(float(st["nu"]), float(st["sigma"])) if "nu" in st and "sigma" in st else None
+
+
+def _grid_rows(ws, shard, streams, cfg, grid_cfg_key, present) -> tuple[list, list]:
+    """Per training stream its grid scores (cached, or computed now): (stay_id, scores) pairs, new cache rows."""
+    cache = StayCache(ws.root, "grid")
+    keys = {s.stay_id: _digest(stream_digest(s), grid_cfg_key) for s in streams}
+    known = cache.read(shard, [k for k in keys.values() if k in present])
+    known = {} if known is None else {k: list(zip(g.sort("j")["retention"], g.sort("j")["certified"]))
+                                      for (k,), g in known.group_by(["key"])}
+    out, new = [], []
+    for s in streams:
+        scores = known.get(keys[s.stay_id])
+        if scores is None:
+            scores = grid_scores(s, cfg["protocols"]["streaming"])
+            new.append(pl.DataFrame({"key": [keys[s.stay_id]] * len(scores), "j": list(range(len(scores))),
+                                     "retention": [r for r, _ in scores], "certified": [c for _, c in scores]}))
+        out.append((s.stay_id, scores))
+    return out, new, set(keys.values())
+
+
+def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256,
+              on_shard: Callable | None = None) -> dict:
+    """Phase 2: rare vocabulary and hours, token scaling, MEDS label files, the streaming setting and the
+    cohort's summary (aggregates only), shard by shard. ``on_shard(n)``: stays of each shard done."""
+    channels = channels_from_config(cfg)
+    names = [c.name for c in channels]
+    _rare_vocabulary(ws, index, cfg)
+    _rare_hours(ws, index, chunk_stays, None)
+    index.scaling = declared_scaling(cfg, names) or fit_scaling(ws, index, names)
+    check_scaling(index.scaling, names)
+    specs = label_specs(cfg)
+    files = LabelFiles({n: ws.labels / f"{n}.parquet" for n in specs})
+    settings = declared_settings(cfg)
+    sample = _selection_sample(index, cfg) if settings is None else set()
+    grid_cfg_key = _digest({k: v for k, v in cfg["protocols"]["streaming"].items() if k != "select_max_stays"},
+                           code_digest())
+    grid, per_stay, computed = [], [], 0
+    for shard in range(N_BUCKETS):
+        tok = labelled_shard(ws, index, cfg, shard)
+        if tok.height:
+            ends = tok.with_columns((pl.col("time") + pl.duration(
+                microseconds=round(bin_hours(cfg) * 3_600_000_000))).alias("prediction_time"))
+            for n in specs:
+                files.write(n, ends.select("subject_id", "prediction_time", pl.col(n).alias("boolean_value")))
+            per_stay.append(tok.group_by("stay_id", "split").agg(pl.len().alias("tokens"),
+                                                                 *[pl.col(n).cast(pl.Int64).sum() for n in specs]))
+            if settings is None:
+                train = tok.filter(pl.col("stay_id").is_in(pl.Series(sorted(sample), dtype=pl.Int64).implode()))
+                streams = [s for s in token_streams(train, index.scaling, cfg, split="train")
+                           if selects_on(s, cfg["protocols"]["streaming"])]
+                cache = StayCache(ws.root, "grid")
+                scores, new, wanted = _grid_rows(ws, shard, streams, cfg, grid_cfg_key, cache.keys(shard))
+                cache.update(shard, wanted, new)
+                grid += scores
+                computed += len(new)
+        if on_shard is not None:
+            on_shard(index.shard_rows(shard).height)
+    files.close()
+    index.computed["grid"] = computed
+    index.settings = settings or choose_settings([s for _, s in sorted(grid)], cfg["protocols"]["streaming"])
+    return _summary(ws, index, cfg, pl.concat(per_stay) if per_stay else None)
+
+
+def _summary(ws: Workspace, index: StayIndex, cfg: dict, per_stay: pl.DataFrame | None) -> dict:
+    specs = label_specs(cfg)
+    cohort = index.cohort
+    facts = StayCache(ws.root, "facts").scan()
+    fired = StayCache(ws.root, "fired").scan()
+    keys = cohort.select("key", "stay_id").lazy()
+    facts = facts.join(keys, on="key").collect() if facts is not None else pl.DataFrame(
+        schema={"key": pl.String, "stay_id": pl.Int64, "died": pl.Boolean, "channel": pl.String,
+                "readings": pl.Int64, "artifacts": pl.Int64})
+    fired = (fired.join(keys, on="key").select("stay_id", "hour", "criterion").collect() if fired is not None else
+             pl.DataFrame(schema={"stay_id": pl.Int64, "hour": pl.Int64, "criterion": pl.String}))
+    names = index.scaling.channels
+    by_channel = facts.drop_nulls("channel").group_by("channel").agg(pl.col("readings").sum(), pl.col("artifacts").sum())
+    idx = {r["channel"]: r for r in by_channel.iter_rows(named=True)}
+    per_stay = per_stay if per_stay is not None else pl.DataFrame(
+        schema={"stay_id": pl.Int64, "split": pl.String, "tokens": pl.Int64, **{n: pl.Int64 for n in specs}})
+    ev = per_stay.filter(pl.col("split") == "eval")
+    n_eval = int(cohort.filter(pl.col("split") == "eval").join(ev.select("stay_id"), on="stay_id").height)
+    summary = {"stays": int(cohort.height), "train_stays": int(cohort.height - n_eval), "eval_stays": n_eval,
+               "stays_without_vitals": int(cohort.height - per_stay.height),
+               "tokens": int(per_stay["tokens"].sum()), "eval_tokens": int(ev["tokens"].sum()),
+               "bin_hours": bin_hours(cfg),
+               "readings_by_channel": {c: int(idx.get(c, {}).get("readings", 0)) for c in names},
+               "artifacts_by_channel": {c: int(idx.get(c, {}).get("artifacts", 0)) for c in names}}
+    for name in specs:
+        summary[f"eval_tokens_{name}"] = int(ev[name].sum())
+        summary[f"eval_stays_with_{name}"] = int((ev[name] > 0).sum())
+    deaths = facts.filter(pl.col("died"))["stay_id"].unique()
+    cohort_rows = cohort.drop("shard", "key", "rare_key")
+    summary["characteristics"] = describe_cohort(ws.store, cfg, cohort_rows, deaths, fired, per_stay)
+    return summary
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """What a stay's scores depend on besides its stream (part of every score's cache key)."""
+    budgets: tuple
+    fractions: tuple
+    memory_budget: int | None
+    fraction_cap: int | None
+
+    def key(self, index: StayIndex, cfg: dict, stream: TokenStream) -> str:
+        return _digest(stream_digest(stream), index.settings.nu, index.settings.sigma,
+                       cfg["protocols"]["fixed_context"], list(self.budgets), list(self.fractions),
+                       self.memory_budget, self.fraction_cap, code_digest())
+
+
+def pending_streams(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan, batch_stays: int = 2048,
+                    on_cached: Callable | None = None) -> Iterator[list[TokenStream]]:
+    """The evaluation streams whose scores are not cached (or whose per-stay memory file is gone), in
+    batches of at most ``batch_stays``, each stream with its memory path and score key (``score_key``).
+    Every evaluation stay's score key is recorded in ``index.cohort`` (column ``score_key``) as a side effect,
+    for :func:`write_results`. ``on_cached(n)``: stays found in the cache (progress)."""
+    secret = store_key(ws.store, ws.root)
+    ws.stay_memories.mkdir(parents=True, exist_ok=True)
+    cache = StayCache(ws.root, "scores")
+    batch, score_keys = [], {}
+    for shard in range(N_BUCKETS):
+        tok = labelled_shard(ws, index, cfg, shard, split="eval")
+        if tok.height == 0:
+            continue
+        present = cache.keys(shard)
+        hits = 0
+        for s in token_streams(tok, index.scaling, cfg, split="eval"):
+            s.memory_path = str(ws.stay_memory(s.stay_id, secret))
+            s.score_key = plan.key(index, cfg, s)
+            score_keys[s.stay_id] = s.score_key
+            if s.score_key in present and (plan.memory_budget is None or Path(s.memory_path).exists()):
+                hits += 1
+                continue
+            batch.append(s)
+            if len(batch) >= batch_stays:
+                yield batch
+                batch = []
+        if on_cached is not None and hits:
+            on_cached(hits)
+    if batch:
+        yield batch
+    index.cohort = index.cohort.with_columns(
+        pl.col("stay_id").replace_strict(score_keys, default=None, return_dtype=pl.String).alias("score_key"))
+
+
+def store_scores(ws: Workspace, streams: list[TokenStream], rows: list[dict]) -> None:
+    """Cache the per-stay long rows of scored ``streams`` under their score keys (no identifier kept)."""
+    key_of = {s.stay_id: s.score_key for s in streams}
+    shard_of_stay = {s.stay_id: int(s.subject_id) % N_BUCKETS for s in streams}
+    frame = pl.DataFrame(rows, infer_schema_length=None)
+    frame = frame.with_columns(pl.col("stay_id").replace_strict(key_of, return_dtype=pl.String).alias("key"),
+                               pl.col("stay_id").replace_strict(shard_of_stay, return_dtype=pl.Int64).alias("_shard"))
+    cache = StayCache(ws.root, "scores")
+    for (shard,), part in frame.group_by(["_shard"]):
+        part = part.drop("stay_id", "subject_id", "_shard")
+        present = cache.keys(int(shard))
+        again = present & set(part["key"].to_list())      # rescored (its memory file was gone): replace
+        if again:
+            cache.update(int(shard), present - again, [part])
+        else:
+            cache.append(int(shard), [part])
+
+
+RESULT_COLUMNS = ["stay_id", "subject_id", "protocol", "tokens", "keys", "label", "budget", "policy", "metric", "value"]
+
+
+def write_results(ws: Workspace, index: StayIndex) -> Path:
+    """The run's per-stay result rows (patient-level: they stay in the workspace), shard by shard from the
+    score cache, which is compacted to the evaluation stays' current keys on the way."""
+    cache = StayCache(ws.root, "scores")
+    target = ws.results
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    writer = None
+    for shard in range(N_BUCKETS):
+        rows = index.shard_rows(shard).drop_nulls("score_key")
+        wanted = set(rows["score_key"].to_list())
+        cache.update(shard, wanted)
+        part = cache.read(shard, wanted)
+        if part is None or part.height == 0:
+            continue
+        part = (part.join(rows.select(pl.col("score_key").alias("key"), "stay_id", "subject_id"), on="key")
+                .select(RESULT_COLUMNS).sort("stay_id", maintain_order=True))
+        table = part.to_arrow()
+        if writer is None:
+            writer = pq.ParquetWriter(tmp, table.schema)
+        writer.write_table(table.cast(writer.schema))
+    if writer is None:
+        pl.DataFrame(schema={c: pl.String for c in RESULT_COLUMNS}).write_parquet(tmp)
+    else:
+        writer.close()
+    tmp.replace(target)
+    return target
