@@ -73,10 +73,37 @@ def make_source(demo: Path, out: Path, clones: int) -> Path:
     return out
 
 
-def add_late_rows(src: Path, dst: Path, fraction: float, new_clone: int) -> Path:
-    """``src`` plus about ``fraction`` new rows: one more clone's stays (new patients) sized to the fraction,
-    and late chart rows for existing stays (a copy of some rows an hour later). For the incremental rerun."""
-    raise NotImplementedError
+def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float = 0.01) -> Path:
+    """``src`` (``clones`` copies of ``demo``) plus about ``fraction`` new rows, as a night brings them: the
+    stays of a few new patients (the first subjects of one more clone, about ``fraction`` of the stays) and
+    late chart rows for existing stays (a copy of about ``fraction`` of the chart rows, one minute later)."""
+    demo, src, dst = Path(demo), Path(src), Path(dst)
+    shutil.rmtree(dst, ignore_errors=True)
+    con = duckdb.connect()
+    subjects = [r[0] for r in con.execute(
+        f"SELECT DISTINCT subject_id FROM read_csv({_lit(demo / 'icu' / 'icustays.csv.gz')}) ORDER BY 1").fetchall()]
+    new = subjects[:max(1, round(fraction * len(subjects)))]
+    offset = clones * ID_OFFSET
+    for sub in ("hosp", "icu"):
+        (dst / sub).mkdir(parents=True, exist_ok=True)
+        for f in sorted((src / sub).glob("*.csv.gz")):
+            cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_csv({_lit(f)}, all_varchar=true)").fetchall()]
+            if "subject_id" not in cols:
+                shutil.copyfile(f, dst / sub / f.name)
+                continue
+            shifted = ", ".join(f"CASE WHEN {c} IS NULL OR {c} = '' THEN {c} ELSE CAST(CAST({c} AS BIGINT) + {offset} "
+                                f"AS VARCHAR) END AS {c}" if c in ID_COLUMNS else c for c in cols)
+            parts = [f"SELECT * FROM read_csv({_lit(f)}, all_varchar=true)",
+                     f"SELECT {shifted} FROM read_csv({_lit(demo / sub / f.name)}, all_varchar=true) "
+                     f"WHERE CAST(subject_id AS BIGINT) IN ({', '.join(map(str, new))})"]
+            if f.name == "chartevents.csv.gz":
+                late = ", ".join("strftime(CAST(charttime AS TIMESTAMP) + INTERVAL 1 MINUTE, '%Y-%m-%d %H:%M:%S') "
+                                 "AS charttime" if c == "charttime" else c for c in cols)
+                parts.append(f"SELECT {late} FROM read_csv({_lit(f)}, all_varchar=true) "
+                             f"WHERE hash(subject_id, charttime, itemid, value) % {round(1 / fraction)} = 0")
+            con.execute(f"COPY ({' UNION ALL '.join(parts)}) TO {_lit(dst / sub / f.name)} "
+                        f"(FORMAT csv, HEADER, COMPRESSION gzip)")
+    return dst
 
 
 def main(argv=None):

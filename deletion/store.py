@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from cohorts.stay_cache import CACHE_DIR
+from pipeline.extract_rules import N_BUCKETS
 from pipeline.meds import (codes_metadata_path, read_codes_metadata, shard_files, shard_of, subject_splits_path,
                            write_codes_metadata, write_frame_shard, write_label_file, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
@@ -134,9 +136,17 @@ def remove_stay_artifacts(ws: Workspace, txn: Transaction, sid: int, stay_files:
     training split and so possibly on this patient (the next run retrains it)."""
     removed = {"label_rows": _labels(ws, txn, sid)}
     if ws.results.exists():
-        res = pl.read_parquet(ws.results)
-        removed["per_stay_result_rows"] = res.filter(pl.col("subject_id") == sid).height
-        write_staged_parquet(txn, res.filter(pl.col("subject_id") != sid), ws.results)
+        res = pl.scan_parquet(ws.results)
+        removed["per_stay_result_rows"] = int(res.filter(pl.col("subject_id") == sid).select(pl.len()).collect().item())
+        res.filter(pl.col("subject_id") != sid).sink_parquet(txn.stage(ws.results))
+    # The per-stay caches are keyed by content, not by patient: the subject's whole shard of them goes (the
+    # next run recomputes that shard's stays), so nothing computed from their rows survives in the cache.
+    shard = int(sid) % N_BUCKETS
+    dropped = [d for d in sorted((ws.root / CACHE_DIR).glob(f"*/{shard}")) + sorted(
+        (ws.root / CACHE_DIR).glob(f"*/{shard}.json")) if d.exists()]
+    for d in dropped:
+        txn.delete(d)
+    removed["cache_shard_entries"] = len(dropped)
     removed["per_stay_memories"] = len(stay_files)
     for p in stay_files:
         txn.delete(p)

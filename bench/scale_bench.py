@@ -1,0 +1,188 @@
+"""The whole scheduled run at real per-stay volumes and growing cohort sizes, phase by phase.
+
+    python bench/scale_bench.py [--fractions 0.01,0.03] [--dask-at 0.03] [--no-delete] [--work DIR]
+
+For each fraction of MIMIC-IV 2.2's 73,181 ICU stays (1 % is about 730), the open demo cloned with fresh ids
+(``bench/scale_source.py``) is run through ``forgetful run`` (the CLI, as a user runs it: its own Prefect
+server, the process pool) while the RSS of the whole process tree (the CLI, its workers, the Prefect server)
+is sampled every 0.2 s. Printed per size: each phase's seconds and peak RSS (from the run's
+``run_phases.json``); then a rerun with no new rows and a rerun after about 1 % new rows (new patients and
+late chart rows), beside the first run's time; at ``--dask-at`` the same first run on a local 2-worker Dask
+cluster; at the largest size ``forgetful delete`` in both modes. Last, each phase's growth exponent (the
+log-log slope between the smallest and largest size) and its extrapolation to 100 %.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_source import MIMIC_IV_ICU_STAYS, add_new_rows, clones_for, make_source  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT.parent / "shared" / "data" / "mimic-iv-demo"
+PHASES = ("extract", "tokens", "labels", "scoring", "statistics", "cohort memory", "report")
+FORGETFUL = [sys.executable, "-m", "flows.cli"]
+
+
+class TreeRSS(threading.Thread):
+    """Samples the summed RSS of a process and all its descendants."""
+
+    def __init__(self, pid: int, every: float = 0.2):
+        super().__init__(daemon=True)
+        self.pid, self.every, self.samples, self.stop = pid, every, [], threading.Event()
+
+    def run(self):
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self.stop.is_set():
+            total = 0
+            try:
+                for p in [root] + root.children(recursive=True):
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+            except psutil.Error:
+                break
+            self.samples.append((time.time(), total))
+            time.sleep(self.every)
+
+    def peak(self, start: float = 0.0, end: float = math.inf) -> float:
+        vals = [r for t, r in self.samples if start <= t <= end]
+        return max(vals) / 2**30 if vals else float("nan")
+
+
+def forgetful(args: list[str], env: dict) -> tuple[float, TreeRSS, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(FORGETFUL + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    mon = TreeRSS(proc.pid)
+    mon.start()
+    out, _ = proc.communicate()
+    mon.stop.set()
+    mon.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"forgetful {' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}")
+    return time.perf_counter() - t0, mon, out
+
+
+def phase_table(ws: Path, mon: TreeRSS) -> dict:
+    """phase -> (seconds, peak GiB of the process tree during it)."""
+    out = {}
+    for p in json.loads((ws / "run_phases.json").read_text()):
+        name = next((ph for ph in PHASES if p["phase"].startswith(ph)), None)
+        if name is None:
+            continue
+        s, g = out.get(name, (0.0, 0.0))
+        out[name] = (s + p["end"] - p["start"], max(g, mon.peak(p["start"], p["end"])))
+    return out
+
+
+def run_size(fraction: float, work: Path, env: dict, task_runner: str = "process", reruns: bool = True) -> dict:
+    stays = round(fraction * MIMIC_IV_ICU_STAYS)
+    k = clones_for(DEMO, stays)
+    src = make_source(DEMO, work / f"src-{k}", k)
+    ws = work / f"ws-{k}-{task_runner}"
+    shutil.rmtree(ws, ignore_errors=True)
+    args = ["run", "--out", str(ws), "--source", str(src), "--task-runner", task_runner]
+    wall, mon, _ = forgetful(args, env)
+    res = {"fraction": fraction, "clones": k, "stays": k * 140, "wall": wall, "peak": mon.peak(),
+           "phases": phase_table(ws, mon), "ws": ws, "task_runner": task_runner}
+    print(f"\n{fraction:.0%} of MIMIC-IV ({k} demo copies, ~{k * 140} ICU stays), task runner {task_runner}: "
+          f"whole run {wall:.1f} s, peak RSS {res['peak']:.2f} GiB", flush=True)
+    for ph in PHASES:
+        s, g = res["phases"].get(ph, (float("nan"), float("nan")))
+        print(f"  {ph:14s} {s:8.1f} s   peak {g:5.2f} GiB", flush=True)
+    if reruns:
+        again, mon2, _ = forgetful(args, env)
+        newer = add_new_rows(DEMO, src, work / f"src-{k}-plus", k)
+        later, mon3, _ = forgetful(["run", "--out", str(ws), "--source", str(newer), "--task-runner", task_runner],
+                                   env)
+        res.update(rerun=again, rerun_new=later)
+        print(f"  rerun, no new rows:      {again:7.1f} s ({again / wall:.1%} of the first run), peak "
+              f"{mon2.peak():.2f} GiB", flush=True)
+        print(f"  rerun after ~1 % new rows: {later:7.1f} s ({later / wall:.1%} of the first run), peak "
+              f"{mon3.peak():.2f} GiB", flush=True)
+    return res
+
+
+def time_deletions(ws: Path, env: dict) -> None:
+    import polars as pl
+    subject = int(pl.scan_parquet(ws / "store" / "stays.parquet").select("subject_id").first().collect().item())
+    for mode in ("decrement", "replay"):
+        copy = ws.with_name(ws.name + f"-del-{mode}")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ws, copy)
+        secs, mon, _ = forgetful(["delete", "--out", str(copy), "--subject-id", str(subject), "--mode", mode], env)
+        print(f"  forgetful delete --mode {mode:9s}: {secs:6.1f} s, peak RSS {mon.peak():.2f} GiB", flush=True)
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def growth(results: list[dict]) -> None:
+    a, b = results[0], results[-1]
+    if b["stays"] == a["stays"]:
+        return
+    print(f"\ngrowth from {a['stays']} to {b['stays']} stays, extrapolated to MIMIC-IV's {MIMIC_IV_ICU_STAYS}:")
+    scale = MIMIC_IV_ICU_STAYS / b["stays"]
+    total = 0.0
+    for ph in PHASES + ("whole run",):
+        ta = a["wall"] if ph == "whole run" else a["phases"].get(ph, (0, 0))[0]
+        tb = b["wall"] if ph == "whole run" else b["phases"].get(ph, (0, 0))[0]
+        if ta <= 0 or tb <= 0:
+            continue
+        e = math.log(tb / ta) / math.log(b["stays"] / a["stays"])
+        full = tb * scale ** max(e, 0.0)
+        total += full if ph != "whole run" else 0.0
+        print(f"  {ph:14s} exponent {e:5.2f}   {tb:8.1f} s -> {full / 60:7.1f} min at 100 %")
+    print(f"  peak RSS: {a['peak']:.2f} GiB at {a['stays']} stays, {b['peak']:.2f} GiB at {b['stays']} stays")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fractions", default="0.01,0.03", help="fractions of MIMIC-IV's ICU stays (0.1 for the note)")
+    ap.add_argument("--dask-at", type=float, default=0.03, help="the fraction also run on a local Dask cluster "
+                                                                "(0: none)")
+    ap.add_argument("--no-delete", action="store_true", help="skip timing forgetful delete at the largest size")
+    ap.add_argument("--no-reruns", action="store_true", help="skip the two incremental reruns")
+    ap.add_argument("--work", type=Path, default=None, help="where sources and workspaces go (default: a temp dir)")
+    a = ap.parse_args(argv)
+    if not DEMO.exists():
+        print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
+        return
+    work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PREFECT_HOME=str(work / "prefect-home"), FORGETFUL_HASH_KEY_FILE=str(work / "hash.key"),
+               FORGETFUL_SIGNING_KEY_FILE=str(work / "signing.key"), PYTHONPATH=str(ROOT))
+    env.pop("PREFECT_API_URL", None)
+    env.pop("FORGETFUL_HASH_KEY", None)
+    if not (work / "hash.key").exists():
+        subprocess.run(FORGETFUL + ["keygen", str(work / "hash.key")], cwd=ROOT, env=env, check=True)
+    if not (work / "signing.key").exists():
+        subprocess.run(FORGETFUL + ["keygen", str(work / "signing.key"), "--signing"], cwd=ROOT, env=env, check=True)
+    print(f"{os.cpu_count()} cores; work in {work}")
+    fractions = sorted(float(f) for f in a.fractions.split(","))
+    results = [run_size(f, work, env, reruns=not a.no_reruns) for f in fractions]
+    if a.dask_at:
+        run_size(a.dask_at, work, env, task_runner="dask", reruns=False)
+    if not a.no_delete:
+        print(f"\ndeletion at {results[-1]['stays']} stays:")
+        time_deletions(results[-1]["ws"], env)
+    growth(results)
+
+
+if __name__ == "__main__":
+    main()
