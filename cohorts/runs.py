@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import polars as pl
 from meds import held_out_split, train_split
 
-from memory.cohort import CohortMemory, history_digest
+from memory.cohort import DIGEST_MOD, CohortMemory, history_digest, row_hash
 from memory.encoder import EventEncoder, train_encoder
 from pipeline import progress
 from pipeline.extract import scan_events
 from pipeline.keys import EventKeyer
 from pipeline.meds import subject_splits_path, write_label_file, write_subject_splits
-from pipeline.privacy import store_key
+from pipeline.privacy import store_key, subject_ref
 
 from .characteristics import death_stays, describe_cohort, token_counts
 from .definitions import build_cohort, deterioration_hours, is_eval_subject, stay_events, workspace_config
@@ -30,8 +30,9 @@ from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
 from .provenance import code_version
 from .streams import cohort_stream, evaluation_streams
-from .token_run import ScoringPlan, StayIndex, label_run, pending_streams, stay_facts, store_scores, write_results
-from .tokens import TokenScaling, build_tokens, label_specs, label_tokens
+from .token_run import (ScoringPlan, StayIndex, cohort_token_batches, declared_scaling, fit_scaling, label_run,
+                        pending_streams, stay_facts, store_scores, write_results)
+from .tokens import TokenScaling, build_tokens, channels_from_config, label_specs, label_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -105,13 +106,62 @@ def cohort_memory_gamma(cfg: dict, tokens: str) -> float:
 FEED_BLOCK = 2048   # tokens fed between progress reports
 
 
-def _unchanged_base(ckpts, order, keys):
-    """The latest checkpoint whose fed history is still the store's history up to its watermark (None: none)."""
+def _unchanged_base(ckpts, history_upto):
+    """The latest checkpoint whose fed history is still the store's history up to its watermark (None: none).
+    ``history_upto(watermark)``: the digest of the store's rows up to a watermark."""
     for c in reversed(ckpts):
         cm = CohortMemory.load(c)
-        if cm.history is not None and history_digest(order, keys, cm.watermark) == cm.history:
+        if cm.history is not None and history_upto(cm.watermark) == cm.history:
             return c, cm
     return None, None
+
+
+def _event_rows(ws, cfg, scaler):
+    """Events mode: the cohort's keyed events in memory (the events-mode memory is for small stores), as a
+    history function and a feed of the rows after a watermark."""
+    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, "events", store_key(ws.store, ws.root), scaler=scaler)
+
+    def feed(mem, on_fed):
+        todo = [i for i, o in enumerate(order) if o > mem.watermark]
+        for lo in range(0, len(todo), FEED_BLOCK):
+            block = todo[lo:lo + FEED_BLOCK]
+            mem.feed(keys[block], [ids[i] for i in block], [order[i] for i in block])
+            if on_fed is not None:
+                on_fed(len(block))
+    return scaler, lambda upto: history_digest(order, keys, upto), feed
+
+
+def _token_rows(ws, cfg, scaler):
+    """Hourly mode: the cohort's tokens streamed in order from the run's token cache (never all at once)."""
+    index = stay_facts(ws, cfg)
+    if scaler is None:
+        names = [c.name for c in channels_from_config(cfg)]
+        scaler = declared_scaling(cfg, names) or fit_scaling(ws, index, names)
+    owner = owner_refs(store_key(ws.store, ws.root))
+
+    def history(upto):
+        total = 0
+        for b in cohort_token_batches(ws, index, cfg, scaler, owner, upto=upto):
+            total += sum(row_hash(o, k) for o, k in zip(b.order_keys, b.keys))
+        return total % DIGEST_MOD
+
+    def feed(mem, on_fed):
+        for b in cohort_token_batches(ws, index, cfg, scaler, owner, after=mem.watermark, batch_rows=FEED_BLOCK):
+            mem.feed(b.keys, b.token_ids, b.order_keys)
+            if on_fed is not None:
+                on_fed(len(b.order_keys))
+    return scaler, history, feed
+
+
+def owner_refs(key: bytes) -> Callable:
+    """subject_id -> its keyed hash, computed once per subject."""
+    cache = {}
+
+    def ref(s):
+        if s not in cache:
+            cache[s] = subject_ref(s, key)
+        return cache[s]
+    return ref
 
 
 def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 128, tokens: str = "hourly",
@@ -130,28 +180,24 @@ def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 1
         mem, scaler = CohortMemory.load(same[-1]), load_scaler(same[-1])
     else:
         mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
-    scaler, keys, ids, order, _ = cohort_stream(ws.store, cfg, tokens, store_key(ws.store, ws.root), scaler=scaler)
+    scaler, history_upto, feed = (_token_rows if tokens == "hourly" else _event_rows)(ws, cfg, scaler)
     history = ({"checked": mem.history is not None, "changed_before_watermark": False} if same else
                {"checked": False, "new_memory": True})
-    if same and mem.history is not None and history_digest(order, keys, mem.watermark) != mem.history:
-        base, base_mem = _unchanged_base(same[:-1], order, keys)
+    if same and mem.history is not None and history_upto(mem.watermark) != mem.history:
+        base, base_mem = _unchanged_base(same[:-1], history_upto)
         history = {"checked": True, "changed_before_watermark": True,
                    "rebuilt_from": base.name if base else "empty memory"}
         mem = base_mem or CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu)
-    todo = [i for i, o in enumerate(order) if o > mem.watermark]
-    for lo in range(0, len(todo), FEED_BLOCK):
-        block = todo[lo:lo + FEED_BLOCK]
-        mem.feed(keys[block], [ids[i] for i in block], [order[i] for i in block])
-        if on_fed is not None:
-            on_fed(len(block))
+    fed_before = mem.fed
+    feed(mem, on_fed)
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)
     mem.save(target)
     save_scaler(scaler, target, tokens)
-    return {"checkpoint": target.name, "tokens_mode": tokens, "fed": len(todo), "tokens": mem.memory.n_tokens,
-            "certified_evictions": mem.policy.certified, "uncertified_evictions": mem.policy.uncertified,
-            "history": history}
+    return {"checkpoint": target.name, "tokens_mode": tokens, "fed": mem.fed - fed_before,
+            "tokens": mem.memory.n_tokens, "certified_evictions": mem.policy.certified,
+            "uncertified_evictions": mem.policy.uncertified, "history": history}
 
 
 def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None) -> tuple[list, StreamingSettings,

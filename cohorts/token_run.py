@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from memory.cohort import token_id
 from pipeline.extract import scan_events_in, store_codes
 from pipeline.extract_rules import N_BUCKETS
 from pipeline.meds import LabelFiles, shard_of
@@ -506,3 +507,51 @@ def write_results(ws: Workspace, index: StayIndex) -> Path:
         writer.close()
     tmp.replace(target)
     return target
+
+
+@dataclass
+class CohortBatch:
+    """A block of the cohort's tokens in global time order (the cohort memory's input)."""
+    keys: np.ndarray
+    token_ids: list[str]
+    order_keys: list[str]
+    subject_ids: np.ndarray
+
+
+def cohort_token_batches(ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, owner: Callable,
+                         after: str = "", upto: str | None = None, exclude_subject: int | None = None,
+                         batch_rows: int = 65_536) -> Iterator[CohortBatch]:
+    """The cohort's cached tokens ordered by order key (the bin's start, then the stay's smallest event hash),
+    those after ``after`` (and at or before ``upto``), without ``exclude_subject``'s, in blocks: DuckDB sorts
+    out of core, so memory holds one block whatever the cohort's size. ``owner(subject_id)``: the opaque
+    owner reference of a token id."""
+    import duckdb
+    parts = sorted(StayCache(ws.root, "tokens").dir.glob("*/*.parquet"))
+    if not parts:
+        return
+    names = scaling.channels
+    con = duckdb.connect()
+    cohort = index.cohort.select("key", "stay_id", "subject_id", "intime").to_arrow()
+    con.register("cohort", cohort)
+    files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts) + "]"
+    secs = int(3600 * bin_hours(cfg))
+    where = ["order_key > ?"] + (["order_key <= ?"] if upto is not None else []) + \
+        (["subject_id <> ?"] if exclude_subject is not None else [])
+    params = [after] + ([upto] if upto is not None else []) + ([int(exclude_subject)] if exclude_subject is not None
+                                                               else [])
+    cols = ", ".join(f'"{n}"' for n in names)
+    query = f"""
+        WITH t AS (SELECT * FROM read_parquet({files})),
+             tie AS (SELECT key, min(first_hash) AS tie FROM t GROUP BY key),
+             rows AS (SELECT c.stay_id, c.subject_id, t.hour, {cols},
+                             strftime(c.intime + to_seconds(t.hour * {secs}), '%Y-%m-%dT%H:%M:%S.%f') || '|' || tie.tie
+                                 AS order_key
+                      FROM t JOIN cohort c USING (key) JOIN tie USING (key))
+        SELECT * FROM rows WHERE {' AND '.join(where)} ORDER BY order_key"""
+    reader = con.sql(query, params=params).to_arrow_reader(batch_rows)
+    for batch in reader:
+        frame = scaling.impute(pl.from_arrow(batch))
+        subjects = frame["subject_id"].to_numpy()
+        ids = [token_id(owner(int(s)), f"{st}-h{h}", 0) for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])]
+        yield CohortBatch(scaling.keys(frame), ids, frame["order_key"].to_list(), subjects)
+    con.close()

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cohorts.definitions import workspace_config
-from cohorts.runs import SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler
+from cohorts.runs import FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler, owner_refs
 from cohorts.streams import cohort_stream
+from cohorts.token_run import cohort_token_batches, stay_facts
 from memory.cohort import CohortMemory
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
@@ -79,6 +80,29 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple
     return memories, verification, digests
 
 
+def _others_feed(ws, tokens, scaler, sid):
+    """(the subject's first order key or None, feed(memory, upto): every other patient's rows after the
+    memory's watermark and up to ``upto``, in order). Hourly tokens stream from the run's token cache; raw
+    events (small stores) are keyed in memory."""
+    cfg, key = workspace_config(ws.root), store_key(ws.store, ws.root)
+    _, _, _, own, _ = cohort_stream(ws.store, cfg, tokens, key, scaler=scaler, subject_id=sid)
+    first = min(own) if own else None
+    if tokens == "hourly":
+        index, owner = stay_facts(ws, cfg), owner_refs(key)
+
+        def feed(mem, upto):
+            for b in cohort_token_batches(ws, index, cfg, scaler, owner, after=mem.watermark, upto=upto,
+                                          exclude_subject=sid, batch_rows=FEED_BLOCK):
+                mem.feed(b.keys, b.token_ids, b.order_keys)
+        return first, feed
+    _, K, ids, order, subjects = cohort_stream(ws.store, cfg, tokens, key, scaler=scaler)
+
+    def feed(mem, upto):
+        sel = [i for i, (o, s) in enumerate(zip(order, subjects)) if int(s) != sid and mem.watermark < o <= upto]
+        mem.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
+    return first, feed
+
+
 def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple:
     """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
     ckpts = ws.checkpoints()
@@ -86,20 +110,16 @@ def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple:
         return {}, {}, {}
     latest = CohortMemory.load(ckpts[-1])
     tokens = checkpoint_tokens(ckpts[-1])
-    _, K, ids, order, subjects = cohort_stream(ws.store, workspace_config(ws.root), tokens,
-                                               store_key(ws.store, ws.root), scaler=load_scaler(ckpts[-1]))
+    first, feed = _others_feed(ws, tokens, load_scaler(ckpts[-1]), sid)
     ref = owner(ws, sid)
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
     # checkpoint of the other stream mode is never a replay base
-    first = next((o for o, s in zip(order, subjects) if int(s) == sid), None)
     clean = [c for c in ckpts if checkpoint_tokens(c) == tokens and (first is None or
                                                                       CohortMemory.load(c).watermark < first)]
     base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
                                                                    gamma=latest.gamma, nu=latest.policy.nu)
     before = latest.memory.state_digest()
-    sel = [i for i, (o, s) in enumerate(zip(order, subjects))
-           if int(s) != sid and base.watermark < o <= latest.watermark]
-    base.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
+    feed(base, latest.watermark)
     # the other mode's checkpoints are history: removed only where they hold the subject
     tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) == tokens or
                                                        CohortMemory.load(c).tokens_of(ref))]

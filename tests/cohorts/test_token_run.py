@@ -119,6 +119,18 @@ def test_blocked_resampling_agrees_with_one_resampling_matrix(monkeypatch):
     assert abs(p - ref_p) < 4 * np.sqrt(ref_p * (1 - ref_p) / 10_000) + 1e-4
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.03, 0.06])
+def test_above_the_resampling_limit_the_normal_limit_agrees_with_resampling(monkeypatch, shift):
+    x = np.random.default_rng(5).exponential(1.0, size=3000) - 1.0 + shift       # skewed, as retention differences
+    limit = bootstrap_ci(x), sign_flip_p(x)
+    monkeypatch.setattr(evaluation, "RESAMPLE_MAX_N", 10 ** 9)
+    (lo, hi), p = bootstrap_ci(x), sign_flip_p(x)
+    se = x.std() / np.sqrt(len(x))
+    # Monte Carlo error of a 2.5 % quantile of 10,000 resampled means: ~0.027 se; of p: sqrt(p (1 - p) / 10,000)
+    assert abs(limit[0][0] - lo) < 0.1 * se and abs(limit[0][1] - hi) < 0.1 * se
+    assert abs(limit[1] - p) < 4 * np.sqrt(p * (1 - p) / 10_000) + 2e-4
+
+
 def test_statistics_from_a_results_file_equal_those_from_rows(tmp_path):
     rng = np.random.default_rng(0)
     rows = [{"stay_id": s, "subject_id": s, "protocol": "streaming", "tokens": "hourly", "keys": "k", "label": "y",
