@@ -159,7 +159,9 @@ def main(argv=None):
     ap.add_argument("--no-delete", action="store_true", help="skip timing forgetful delete at the largest size")
     ap.add_argument("--no-reruns", action="store_true", help="skip the two incremental reruns")
     ap.add_argument("--work", type=Path, default=None, help="where sources and workspaces go (default: a temp dir)")
+    ap.add_argument("--demo", type=Path, default=DEMO, help="the MIMIC-IV demo (CSV layout) to clone")
     a = ap.parse_args(argv)
+    globals()["DEMO"] = a.demo
     if not DEMO.exists():
         print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
         return
