@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+import duckdb
 import polars as pl
 
 from memory.cohort import CohortMemory
 from pipeline.evidence import read_log
 from pipeline.extract import UnknownSubjectError
+from pipeline.extract_rules import sql_literal
 from pipeline.meds import shard_files, shard_of
 from pipeline.privacy import keyed_hash, store_key, subject_ref, suppressed_hashes
 
@@ -46,8 +48,8 @@ def scan_subject(ws: Workspace, subject_id: int) -> tuple:
         stays = pl.read_parquet(stays_file).filter(pl.col("subject_id") == sid)
         stay_ids = stays["stay_id"].to_list()
         found["stays"] = stays.height
-    found["per_stay_results"] = pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid).height \
-        if ws.results.exists() else 0
+    found["per_stay_results"] = pl.scan_parquet(ws.results).filter(pl.col("subject_id") == sid).select(pl.len()) \
+        .collect().item() if ws.results.exists() else 0
     ref = owner(ws, sid) if ws.checkpoints() else None
     found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(ref)) for c in ws.checkpoints())
     return found, stay_ids
@@ -92,10 +94,12 @@ def resolve_subject(ws: Workspace, subject_hash: str) -> int:
     if not ws.store.exists():
         raise UnknownSubjectError(f"workspace {ws.root} has no event store")
     key = store_key(ws.store, ws.root)
-    frames = [pl.scan_parquet(f).select("subject_id") for f in
-              [ws.store / "stays.parquet", *shard_files(ws.store),
-               *sorted((ws.store / "quarantine").glob("*.parquet"))] if f.exists()]
-    ids = pl.concat(frames).unique().collect()["subject_id"].drop_nulls().to_list() if frames else []
+    files = [f for f in [ws.store / "stays.parquet", *shard_files(ws.store),
+                         *sorted((ws.store / "quarantine").glob("*.parquet"))] if f.exists()]
+    # DuckDB's distinct streams the column: the store's hundreds of millions of rows are never held at once
+    sources = ", ".join(map(sql_literal, files))
+    ids = [r[0] for r in duckdb.sql(f"SELECT DISTINCT subject_id FROM read_parquet([{sources}], union_by_name = true) "
+                                    f"WHERE subject_id IS NOT NULL").fetchall()] if files else []
     match = [s for s in ids if keyed_hash(int(s), key) == subject_hash]
     if match:
         return int(match[0])
@@ -108,4 +112,5 @@ def resolve_subject(ws: Workspace, subject_hash: str) -> int:
 def _stay_ids_from_results(ws, sid):
     if not ws.results.exists():
         return []
-    return pl.read_parquet(ws.results).filter(pl.col("subject_id") == sid)["stay_id"].unique().to_list()
+    return (pl.scan_parquet(ws.results).filter(pl.col("subject_id") == sid).select(pl.col("stay_id").unique())
+            .collect()["stay_id"].to_list())

@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import duckdb
 import polars as pl
 
 from cohorts.stay_cache import CACHE_DIR
-from pipeline.extract_rules import N_BUCKETS
+from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import (codes_metadata_path, read_codes_metadata, shard_files, shard_of, subject_splits_path,
-                           write_codes_metadata, write_frame_shard, write_label_file, write_subject_splits)
+                           write_codes_metadata, write_label_file, write_shard, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
 
 if TYPE_CHECKING:
@@ -23,21 +24,24 @@ def write_staged_parquet(txn: Transaction, frame: pl.DataFrame, final: Path) -> 
     frame.write_parquet(txn.stage(final))
 
 
-def _events(ws, txn, sid) -> tuple[dict, pl.DataFrame | None]:
-    """The subject's shard rewritten without them (a valid MEDS shard: sorted, MEDS types): (removed events per
-    table, the rows kept)."""
+def _events(ws, txn, sid) -> dict:
+    """The subject's shard rewritten without them, streamed by DuckDB (a shard is already sorted, so the kept
+    rows stay a valid MEDS shard); the events removed per table."""
     shard = shard_of(ws.store, sid)
     if not shard.exists():
-        return {}, None
-    ev = pl.read_parquet(shard)
-    mine = ev.filter(pl.col("subject_id") == sid)
-    removed = {r["source_table"]: int(r["len"]) for r in mine.group_by("source_table").len().iter_rows(named=True)}
-    keep = ev.filter(pl.col("subject_id") != sid)
-    if keep.height:
-        write_frame_shard(keep, txn.stage(shard))
-    else:
-        txn.delete(shard)
-    return removed, keep
+        return {}
+    con = duckdb.connect()
+    try:
+        src = f"read_parquet({sql_literal(shard)})"
+        removed = {t: int(n) for t, n in con.execute(f"SELECT source_table, count(*) FROM {src} WHERE subject_id = ? "
+                                                     f"GROUP BY ALL", [sid]).fetchall()}
+        if con.execute(f"SELECT count(*) FROM {src} WHERE subject_id <> ?", [sid]).fetchall()[0][0]:
+            write_shard(con, f"SELECT * FROM {src} WHERE subject_id <> ?", txn.stage(shard), [sid])
+        else:
+            txn.delete(shard)
+    finally:
+        con.close()
+    return removed
 
 
 def _quarantine(ws, txn, sid) -> int:
@@ -51,18 +55,19 @@ def _quarantine(ws, txn, sid) -> int:
     return removed
 
 
-def _codes(ws, txn, sid, keep) -> None:
+def _codes(ws, txn, sid) -> None:
     """Recount the codes metadata over the store as it will be (descriptions and parent codes kept; a code
-    only the subject had leaves it)."""
+    only the subject had leaves it); DuckDB aggregates the shards without holding them."""
     shard = shard_of(ws.store, sid)
-    other = [f for f in shard_files(ws.store) if f != shard]
-    counts = [pl.scan_parquet(other).select("code", "source_table")] if other else []
-    if keep is not None and keep.height:
-        counts.append(keep.lazy().select("code", "source_table"))
+    staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
+    files = [staged.get(str(f), f) for f in shard_files(ws.store)]
+    files = [f for f in files if f != shard or str(shard) in staged]
     old = read_codes_metadata(ws.store)
-    if not counts or old is None:
+    if not files or old is None:
         return
-    new = pl.concat(counts).group_by("code").agg(pl.col("source_table").first(), pl.len().alias("count")).collect()
+    sources = ", ".join(map(sql_literal, files))
+    new = pl.from_arrow(duckdb.sql(f"SELECT code, first(source_table) AS source_table, count(*) AS count "
+                                   f"FROM read_parquet([{sources}]) GROUP BY code").arrow())
     new = new.join(old.select("code", "description", "parent_codes"), on="code", how="left")
     write_codes_metadata(txn.stage(codes_metadata_path(ws.store)), new)
 
@@ -113,7 +118,7 @@ def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) 
     """Events, quarantine, generated source, stays, code counts and split without the subject; the subject's hash on
     the suppression list; the store's generation bumped (no cache over the old content is reused)."""
     removed = {}
-    removed["events_by_table"], keep = _events(ws, txn, sid)
+    removed["events_by_table"] = _events(ws, txn, sid)
     removed["quarantine_rows"] = _quarantine(ws, txn, sid)
     removed["source_rows"] = _source(ws, txn, sid)
     for scratch in (ws.store / ".work").glob("extract.duckdb*"):     # earlier versions' scratch tables
@@ -121,7 +126,7 @@ def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) 
     stays = pl.read_parquet(ws.store / "stays.parquet")
     removed["stays"] = stays.filter(pl.col("subject_id") == sid).height
     write_staged_parquet(txn, stays.filter(pl.col("subject_id") != sid), ws.store / "stays.parquet")
-    _codes(ws, txn, sid, keep)
+    _codes(ws, txn, sid)
     splits = subject_splits_path(ws.store)
     if splits.exists():
         frame = pl.read_parquet(splits)

@@ -77,7 +77,7 @@ def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: 
 
 
 def write_frame_shard(frame: pl.DataFrame, path: Path) -> None:
-    """A shard from a data frame (a deletion's rewrite of one shard), sorted and with the MEDS schema."""
+    """A shard from a data frame (hand-built stores), sorted and with the MEDS schema."""
     table = frame.sort(SHARD_SORT, nulls_last=False).select(EVENT_COLUMNS).to_arrow().cast(EVENT_SCHEMA)
     _atomic_table(table, Path(path))
 

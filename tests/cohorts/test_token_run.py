@@ -1,5 +1,6 @@
 """The chunked, cached hourly-token run: equal to the whole cohort in memory, incremental, bounded statistics."""
 import gzip
+import shutil
 
 import numpy as np
 import polars as pl
@@ -138,3 +139,28 @@ def test_statistics_from_a_results_file_equal_those_from_rows(tmp_path):
             for s in range(30) for p in ("sv_certified", "recency")]
     pl.DataFrame(rows).write_parquet(tmp_path / "r.parquet")
     assert aggregate(rows) == aggregate(pl.scan_parquet(tmp_path / "r.parquet"))
+
+
+def test_a_deletion_drops_the_patient_s_cache_and_the_next_run_equals_one_that_never_saw_them(tmp_path):
+    from deletion import delete_subject
+    cfg = load_config()
+    ws = Workspace(tmp_path / "ws")
+    generate(ws.source, GeneratorConfig(n_patients=16, seed=9))
+    extract(ws.source, ws.store, key=load_key())
+    index, _, _ = _run(ws, cfg)
+    # an evaluation-split patient: nothing computed from the training split depends on them
+    sid = int(index.cohort.filter(pl.col("split") == "eval")["subject_id"][0])
+    shard = sid % 16
+    assert (ws.root / "cache" / "tokens" / str(shard)).exists()
+    delete_subject(ws, sid, mode="replay")
+    assert not any((ws.root / "cache").glob(f"*/{shard}")) and not (ws.root / "cache" / "index" / f"{shard}.json").exists()
+    extract(ws.source, ws.store, key=load_key())
+    after, _, rows = _run(ws, cfg)
+    assert after.computed["tokens"] == index.shard_rows(shard).height - index.cohort.filter(
+        pl.col("subject_id") == sid).height
+    assert sid not in rows["subject_id"].to_list()
+    never = Workspace(tmp_path / "never")
+    shutil.copytree(ws.source, never.source)
+    extract(never.source, never.store, key=load_key())
+    _, _, never_rows = _run(never, cfg)
+    assert rows.equals(never_rows)
