@@ -92,10 +92,11 @@ def phase_table(ws: Path, mon: TreeRSS) -> dict:
     return out
 
 
-def run_size(fraction: float, work: Path, env: dict, task_runner: str = "process", reruns: bool = True) -> dict:
+def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: str = "process",
+             reruns: bool = True) -> dict:
     stays = round(fraction * MIMIC_IV_ICU_STAYS)
-    k = clones_for(DEMO, stays)
-    src = make_source(DEMO, work / f"src-{k}", k)
+    k = clones_for(demo, stays)
+    src = make_source(demo, work / f"src-{k}", k)
     ws = work / f"ws-{k}-{task_runner}"
     shutil.rmtree(ws, ignore_errors=True)
     args = ["run", "--out", str(ws), "--source", str(src), "--task-runner", task_runner]
@@ -109,7 +110,7 @@ def run_size(fraction: float, work: Path, env: dict, task_runner: str = "process
         print(f"  {ph:14s} {s:8.1f} s   peak {g:5.2f} GiB", flush=True)
     if reruns:
         again, mon2, _ = forgetful(args, env)
-        newer = add_new_rows(DEMO, src, work / f"src-{k}-plus", k)
+        newer = add_new_rows(demo, src, work / f"src-{k}-plus", k)
         later, mon3, _ = forgetful(["run", "--out", str(ws), "--source", str(newer), "--task-runner", task_runner],
                                    env)
         res.update(rerun=again, rerun_new=later)
@@ -161,9 +162,8 @@ def main(argv=None):
     ap.add_argument("--work", type=Path, default=None, help="where sources and workspaces go (default: a temp dir)")
     ap.add_argument("--demo", type=Path, default=DEMO, help="the MIMIC-IV demo (CSV layout) to clone")
     a = ap.parse_args(argv)
-    globals()["DEMO"] = a.demo
-    if not DEMO.exists():
-        print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
+    if not a.demo.exists():
+        print(f"skipped: the MIMIC-IV demo is not at {a.demo} (see shared/data/README.md)")
         return
     work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -177,9 +177,9 @@ def main(argv=None):
         subprocess.run(FORGETFUL + ["keygen", str(work / "signing.key"), "--signing"], cwd=ROOT, env=env, check=True)
     print(f"{os.cpu_count()} cores; work in {work}")
     fractions = sorted(float(f) for f in a.fractions.split(","))
-    results = [run_size(f, work, env, reruns=not a.no_reruns) for f in fractions]
+    results = [run_size(a.demo, f, work, env, reruns=not a.no_reruns) for f in fractions]
     if a.dask_at:
-        run_size(a.dask_at, work, env, task_runner="dask", reruns=False)
+        run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False)
     if not a.no_delete:
         print(f"\ndeletion at {results[-1]['stays']} stays:")
         time_deletions(results[-1]["ws"], env)

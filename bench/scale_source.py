@@ -34,8 +34,17 @@ def clones_for(demo: Path, stays: int) -> int:
     return max(1, math.ceil(stays / n))
 
 
+def _columns(con, path: Path) -> list[str]:
+    return [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_csv({_lit(path)}, all_varchar=true)").fetchall()]
+
+
+def _shifted(c: str, by: str) -> str:
+    """An id column moved by ``by`` (an SQL expression), empty ids left as they are."""
+    return f"CASE WHEN {c} IS NULL OR {c} = '' THEN {c} ELSE CAST(CAST({c} AS BIGINT) + {by} AS VARCHAR) END AS {c}"
+
+
 def _clone_table(con, src: Path, dst: Path, clones: int) -> None:
-    cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_csv({_lit(src)}, all_varchar=true)").fetchall()]
+    cols = _columns(con, src)
     table = src.name.split(".")[0]
     if not any(c in ID_COLUMNS for c in cols):
         shutil.copyfile(src, dst)
@@ -43,7 +52,7 @@ def _clone_table(con, src: Path, dst: Path, clones: int) -> None:
 
     def expr(c: str) -> str:
         if c in ID_COLUMNS:
-            return f"CASE WHEN {c} IS NULL OR {c} = '' THEN {c} ELSE CAST(CAST({c} AS BIGINT) + k * {ID_OFFSET} AS VARCHAR) END AS {c}"
+            return _shifted(c, f"k * {ID_OFFSET}")
         if PERTURBED.get(table) == c:
             # a factor in [0.99, 1.01] from the row's own content: deterministic, different per clone
             f = f"(1 + 0.01 * ((hash(k, subject_id, charttime, itemid) % 2001)::DOUBLE - 1000) / 1000)"
@@ -87,12 +96,11 @@ def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float 
     for sub in ("hosp", "icu"):
         (dst / sub).mkdir(parents=True, exist_ok=True)
         for f in sorted((src / sub).glob("*.csv.gz")):
-            cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_csv({_lit(f)}, all_varchar=true)").fetchall()]
+            cols = _columns(con, f)
             if "subject_id" not in cols:
                 shutil.copyfile(f, dst / sub / f.name)
                 continue
-            shifted = ", ".join(f"CASE WHEN {c} IS NULL OR {c} = '' THEN {c} ELSE CAST(CAST({c} AS BIGINT) + {offset} "
-                                f"AS VARCHAR) END AS {c}" if c in ID_COLUMNS else c for c in cols)
+            shifted = ", ".join(_shifted(c, str(offset)) if c in ID_COLUMNS else c for c in cols)
             parts = [f"SELECT * FROM read_csv({_lit(f)}, all_varchar=true)",
                      f"SELECT {shifted} FROM read_csv({_lit(demo / sub / f.name)}, all_varchar=true) "
                      f"WHERE CAST(subject_id AS BIGINT) IN ({', '.join(map(str, new))})"]

@@ -203,7 +203,8 @@ def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 1
 def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None) -> tuple[list, StreamingSettings,
                                                                                         dict]:
     """The whole cohort in memory at once (small stores, and the reference the chunked, cached run of
-    :mod:`cohorts.token_run` is tested against): hourly tokens of the cohort, labelled; the evaluation split's streams, the streaming settings chosen on
+    :mod:`cohorts.token_run` is tested against): hourly tokens of the cohort, labelled; the evaluation split's
+    streams, the streaming settings chosen on
     the training split, and the cohort's summary (aggregates only). With ``labels_dir``, the token labels are
     also written there as MEDS label files and the subject-level split into the store's MEDS metadata."""
     cohort = build_cohort(store, cfg)

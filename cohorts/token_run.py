@@ -389,7 +389,8 @@ def _summary(ws: Workspace, index: StayIndex, cfg: dict, per_stay: pl.DataFrame 
     fired = (fired.join(keys, on="key").select("stay_id", "hour", "criterion").collect() if fired is not None else
              pl.DataFrame(schema={"stay_id": pl.Int64, "hour": pl.Int64, "criterion": pl.String}))
     names = index.scaling.channels
-    by_channel = facts.drop_nulls("channel").group_by("channel").agg(pl.col("readings").sum(), pl.col("artifacts").sum())
+    by_channel = (facts.drop_nulls("channel").group_by("channel")
+                  .agg(pl.col("readings").sum(), pl.col("artifacts").sum()))
     idx = {r["channel"]: r for r in by_channel.iter_rows(named=True)}
     per_stay = per_stay if per_stay is not None else pl.DataFrame(
         schema={"stay_id": pl.Int64, "split": pl.String, "tokens": pl.Int64, **{n: pl.Int64 for n in specs}})
