@@ -253,7 +253,8 @@ def write_meds_labels(labelled: pl.DataFrame, cohort: pl.DataFrame, cfg: dict, b
 
 def subject_splits(store: Path, cfg: dict) -> pl.DataFrame:
     """Every subject of the store in the config's subject-level split, named as MEDS names splits."""
-    subjects = scan_events(store).select("subject_id").unique().collect()["subject_id"].to_list()
+    subjects = (scan_events(store).select("subject_id").unique().collect(engine="streaming")["subject_id"]
+                .sort().to_list())
     return pl.DataFrame({"subject_id": subjects,
                          "split": [held_out_split if is_eval_subject(s, cfg) else train_split for s in subjects]},
                         schema={"subject_id": pl.Int64, "split": pl.String})

@@ -185,8 +185,8 @@ def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: dict) -> None:
     keys = index.cohort.select("key", "split")
     per_code = codes.join(keys.lazy(), on="key")
     train = (per_code.filter(pl.col("split") == "train").group_by("code").agg(pl.col("n").sum().alias("len"))
-             .sort("code").collect())
-    every = set(per_code.select("code").unique().collect()["code"].to_list())
+             .sort("code").collect(engine="streaming"))
+    every = set(per_code.select("code").unique().collect(engine="streaming")["code"].to_list())
     index.rare, index.rare_threshold = rare_from_counts(train, every, cfg)
 
 
