@@ -54,17 +54,25 @@ class StayCache:
             return
         d = self.dir / str(int(shard))
         d.mkdir(parents=True, exist_ok=True)
-        n = len(self.parts(shard))
-        target = d / f"part-{n:05d}-{uuid.uuid4().hex[:8]}.parquet"
+        target = d / f"part-{uuid.uuid4().hex[:8]}.parquet"
         tmp = target.with_suffix(".tmp")
         pl.concat(frames, how="diagonal_relaxed").write_parquet(tmp)
         os.replace(tmp, target)
 
     def update(self, shard: int, keep: set[str], new: list[pl.DataFrame] = ()) -> None:
-        """The shard's rows become those whose key is in ``keep`` plus ``new``, in one part."""
-        old = self.read(shard, keep) if keep else None
+        """The shard's rows become those whose key is in ``keep`` plus ``new``. Without stale rows (every
+        cached key kept) ``new`` is appended as a part; otherwise the shard is rewritten as one part, streamed
+        (the kept rows are never all in memory)."""
         stale = self.parts(shard)
-        self.append(shard, ([old] if old is not None else []) + list(new))
+        if not stale or self.keys(shard) <= set(keep):
+            self.append(shard, list(new))
+            return
+        frames = [pl.scan_parquet(stale).filter(pl.col("key").is_in(pl.Series(list(keep), dtype=pl.String).implode()))]
+        frames += [f.lazy() for f in new if f is not None and f.height]
+        target = self.dir / str(int(shard)) / f"part-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = target.with_suffix(".tmp")
+        pl.concat(frames, how="diagonal_relaxed").sink_parquet(tmp)
+        os.replace(tmp, target)
         for p in stale:
             p.unlink()
 

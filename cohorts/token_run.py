@@ -150,25 +150,25 @@ def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Calla
                 on_chunk(rows.height)
             continue
         present = caches["facts"].keys(shard)
-        shard_keys, new = {}, {k: [] for k in caches}
+        shard_keys = {}
         for chunk in plan_chunks(rows, chunk_stays):
             events = chunk_events(store, chunk)
             digests = stay_digests(events, chunk.stays)
             keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
             shard_keys.update(keys)
             todo = {s: k for s, k in keys.items() if k not in present}
-            if todo:
+            if todo:     # appended chunk by chunk: a shard's new facts are never gathered
                 mine = pl.Series(list(todo), dtype=pl.Int64).implode()
                 part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
                 for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo, cfg,
                                                 spec, names).items():
-                    new[kind].append(frame)
+                    caches[kind].append(shard, [frame])
                 computed += len(todo)
             if on_chunk is not None:
                 on_chunk(len(chunk))
         wanted = set(shard_keys.values())
-        for kind, cache in caches.items():
-            cache.update(shard, wanted & present, new[kind])
+        for cache in caches.values():
+            cache.update(shard, wanted)
         _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])))
         keys_all.update(shard_keys)
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
