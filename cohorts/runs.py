@@ -30,7 +30,7 @@ from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
 from .provenance import code_version
 from .streams import cohort_stream, evaluation_streams
-from .token_run import (ScoringPlan, StayIndex, cohort_token_batches, declared_scaling, fit_scaling, label_run,
+from .token_run import (OrderedTokens, ScoringPlan, StayIndex, declared_scaling, fit_scaling, label_run,
                         pending_streams, stay_facts, store_scores, write_results)
 from .tokens import TokenScaling, build_tokens, channels_from_config, label_specs, label_tokens
 
@@ -123,6 +123,8 @@ def _event_rows(ws, cfg, scaler):
 
     def feed(mem, on_fed):
         todo = [i for i, o in enumerate(order) if o > mem.watermark]
+        if on_fed is not None:
+            on_fed.set_total(len(todo))
         for lo in range(0, len(todo), FEED_BLOCK):
             block = todo[lo:lo + FEED_BLOCK]
             mem.feed(keys[block], [ids[i] for i in block], [order[i] for i in block])
@@ -141,12 +143,15 @@ def _token_rows(ws, cfg, scaler):
 
     def history(upto):
         total = 0
-        for b in cohort_token_batches(ws, index, cfg, scaler, owner, upto=upto):
+        for b in OrderedTokens(ws, index, cfg, scaler, owner, upto=upto).batches():
             total += sum(row_hash(o, k) for o, k in zip(b.order_keys, b.keys))
         return total % DIGEST_MOD
 
     def feed(mem, on_fed):
-        for b in cohort_token_batches(ws, index, cfg, scaler, owner, after=mem.watermark, batch_rows=FEED_BLOCK):
+        todo = OrderedTokens(ws, index, cfg, scaler, owner, after=mem.watermark)
+        if on_fed is not None:
+            on_fed.set_total(todo.count())
+        for b in todo.batches(FEED_BLOCK):
             mem.feed(b.keys, b.token_ids, b.order_keys)
             if on_fed is not None:
                 on_fed(len(b.order_keys))

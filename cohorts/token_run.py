@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import duckdb
 import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
 from memory.cohort import token_id
 from pipeline.extract import scan_events_in, store_codes
-from pipeline.extract_rules import N_BUCKETS
+from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import LabelFiles, shard_of
 from pipeline.privacy import keyed_hash, store_key
 
@@ -519,40 +520,57 @@ class CohortBatch:
     subject_ids: np.ndarray
 
 
-def cohort_token_batches(ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, owner: Callable,
-                         after: str = "", upto: str | None = None, exclude_subject: int | None = None,
-                         batch_rows: int = 65_536) -> Iterator[CohortBatch]:
+class OrderedTokens:
     """The cohort's cached tokens ordered by order key (the bin's start, then the stay's smallest event hash),
-    those after ``after`` (and at or before ``upto``), without ``exclude_subject``'s, in blocks: DuckDB sorts
-    out of core, so memory holds one block whatever the cohort's size. ``owner(subject_id)``: the opaque
-    owner reference of a token id."""
-    import duckdb
-    parts = sorted(StayCache(ws.root, "tokens").dir.glob("*/*.parquet"))
-    if not parts:
-        return
-    names = scaling.channels
-    con = duckdb.connect()
-    cohort = index.cohort.select("key", "stay_id", "subject_id", "intime").to_arrow()
-    con.register("cohort", cohort)
-    files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts) + "]"
-    secs = int(3600 * bin_hours(cfg))
-    where = ["order_key > ?"] + (["order_key <= ?"] if upto is not None else []) + \
-        (["subject_id <> ?"] if exclude_subject is not None else [])
-    params = [after] + ([upto] if upto is not None else []) + ([int(exclude_subject)] if exclude_subject is not None
-                                                               else [])
-    cols = ", ".join(f'"{n}"' for n in names)
-    query = f"""
-        WITH t AS (SELECT * FROM read_parquet({files})),
-             tie AS (SELECT key, min(first_hash) AS tie FROM t GROUP BY key),
-             rows AS (SELECT c.stay_id, c.subject_id, t.hour, {cols},
-                             strftime(c.intime + to_seconds(t.hour * {secs}), '%Y-%m-%dT%H:%M:%S.%f') || '|' || tie.tie
-                                 AS order_key
-                      FROM t JOIN cohort c USING (key) JOIN tie USING (key))
-        SELECT * FROM rows WHERE {' AND '.join(where)} ORDER BY order_key"""
-    reader = con.sql(query, params=params).to_arrow_reader(batch_rows)
-    for batch in reader:
-        frame = scaling.impute(pl.from_arrow(batch))
-        subjects = frame["subject_id"].to_numpy()
-        ids = [token_id(owner(int(s)), f"{st}-h{h}", 0) for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])]
-        yield CohortBatch(scaling.keys(frame), ids, frame["order_key"].to_list(), subjects)
-    con.close()
+    those after ``after`` (and at or before ``upto``), without ``exclude_subject``'s. DuckDB sorts out of core,
+    so :meth:`batches` holds one block whatever the cohort's size. ``owner(subject_id)``: the opaque owner
+    reference of a token id."""
+
+    def __init__(self, ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, owner: Callable,
+                 after: str = "", upto: str | None = None, exclude_subject: int | None = None):
+        self.parts = sorted(StayCache(ws.root, "tokens").dir.glob("*/*.parquet"))
+        self.scaling, self.owner = scaling, owner
+        self.cohort = index.cohort.select("key", "stay_id", "subject_id", "intime").to_arrow()
+        files = "[" + ", ".join(map(sql_literal, self.parts)) + "]"
+        secs = int(3600 * bin_hours(cfg))
+        where = ["order_key > ?"] + (["order_key <= ?"] if upto is not None else []) + \
+            (["subject_id <> ?"] if exclude_subject is not None else [])
+        self.params = [after] + ([upto] if upto is not None else []) + \
+            ([int(exclude_subject)] if exclude_subject is not None else [])
+        cols = ", ".join(f'"{n}"' for n in scaling.channels)
+        self.rows = f"""
+            WITH t AS (SELECT * FROM read_parquet({files})),
+                 tie AS (SELECT key, min(first_hash) AS tie FROM t GROUP BY key),
+                 rows AS (SELECT c.stay_id, c.subject_id, t.hour, {cols},
+                                 strftime(c.intime + to_seconds(t.hour * {secs}), '%Y-%m-%dT%H:%M:%S.%f') || '|' ||
+                                     tie.tie AS order_key
+                          FROM t JOIN cohort c USING (key) JOIN tie USING (key))
+            SELECT * FROM rows WHERE {' AND '.join(where)}"""
+
+    def _connect(self):
+        con = duckdb.connect()
+        con.register("cohort", self.cohort)
+        return con
+
+    def count(self) -> int:
+        if not self.parts:
+            return 0
+        con = self._connect()
+        try:
+            return int(con.sql(f"SELECT count(*) FROM ({self.rows})", params=self.params).fetchall()[0][0])
+        finally:
+            con.close()
+
+    def batches(self, batch_rows: int = 65_536) -> Iterator[CohortBatch]:
+        if not self.parts:
+            return
+        con = self._connect()
+        try:
+            for batch in con.sql(f"{self.rows} ORDER BY order_key", params=self.params).to_arrow_reader(batch_rows):
+                frame = self.scaling.impute(pl.from_arrow(batch))
+                subjects = frame["subject_id"].to_numpy()
+                ids = [token_id(self.owner(int(s)), f"{st}-h{h}", 0)
+                       for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])]
+                yield CohortBatch(self.scaling.keys(frame), ids, frame["order_key"].to_list(), subjects)
+        finally:
+            con.close()

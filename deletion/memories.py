@@ -8,7 +8,7 @@ import numpy as np
 from cohorts.definitions import workspace_config
 from cohorts.runs import FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler, owner_refs
 from cohorts.streams import cohort_stream
-from cohorts.token_run import cohort_token_batches, stay_facts
+from cohorts.token_run import OrderedTokens, stay_facts
 from memory.cohort import CohortMemory
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
@@ -91,8 +91,8 @@ def _others_feed(ws, tokens, scaler, sid):
         index, owner = stay_facts(ws, cfg), owner_refs(key)
 
         def feed(mem, upto):
-            for b in cohort_token_batches(ws, index, cfg, scaler, owner, after=mem.watermark, upto=upto,
-                                          exclude_subject=sid, batch_rows=FEED_BLOCK):
+            for b in OrderedTokens(ws, index, cfg, scaler, owner, after=mem.watermark, upto=upto,
+                                   exclude_subject=sid).batches(FEED_BLOCK):
                 mem.feed(b.keys, b.token_ids, b.order_keys)
         return first, feed
     _, K, ids, order, subjects = cohort_stream(ws.store, cfg, tokens, key, scaler=scaler)

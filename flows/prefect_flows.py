@@ -179,7 +179,7 @@ def ingest(root: str | Path, source: str | Path | None = None, memory_limit: str
             with progress.step("generating the embedded MIMIC-IV-shaped data"):
                 generate(ws.source, GeneratorConfig())
         source = ws.source
-    with progress.step(f"extracting {source}"):
+    with progress.phase("extract"):
         return extract_task(str(source), str(ws.store), str(ws.root), memory_limit)
 
 

@@ -32,6 +32,7 @@ import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 
+from . import progress
 from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, dictionary_selects,
                             event_selects, quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
@@ -237,14 +238,16 @@ def _stage(con, paths, changed) -> None:
     con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
                 "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
                 "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
-    for table, info in changed.items():
-        try:
-            con.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
-            info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
-            for q in event_selects(table):
-                con.execute(f"INSERT INTO staged SELECT *, ? FROM ({q})", [table])
-        except duckdb.Error as e:
-            raise _read_problem(info["path"], e) from None
+    with progress.step("reading changed source tables", total=len(changed), unit="tables") as advance:
+        for table, info in changed.items():
+            try:
+                con.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
+                info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
+                for q in event_selects(table):
+                    con.execute(f"INSERT INTO staged SELECT *, ? FROM ({q})", [table])
+            except duckdb.Error as e:
+                raise _read_problem(info["path"], e) from None
+            advance()
 
 
 def _suppress(con, suppressed) -> int:
@@ -293,11 +296,13 @@ def _write_new(con, out, run_id) -> int:
     cols = ", ".join(EVENT_COLUMNS)
     touched = [k for k, in con.execute(f"SELECT DISTINCT subject_id % {N_BUCKETS} FROM fresh "
                                        f"WHERE reason IS NULL ORDER BY 1").fetchall()]
-    for k in touched:
-        shard = shard_of(out, k)
-        old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
-        write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM fresh WHERE reason IS NULL "
-                         f"AND subject_id % {N_BUCKETS} = ?) ORDER BY {SHARD_ORDER}", shard, [k])
+    with progress.step("writing new events into shards", total=len(touched), unit="shards") as advance:
+        for k in touched:
+            shard = shard_of(out, k)
+            old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
+            write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM fresh WHERE reason IS NULL "
+                             f"AND subject_id % {N_BUCKETS} = ?) ORDER BY {SHARD_ORDER}", shard, [k])
+            advance()
     if con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]:
         (out / "quarantine").mkdir(exist_ok=True)
         con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
@@ -383,10 +388,12 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
             _stage(con, paths, changed)
             groups = {t: ([t], info["rows"]) for t, info in changed.items()}
         summary.suppressed_rows = _suppress(con, suppressed)
-        _judge(con, out)
+        with progress.step("checking rows against the store (rules, duplicates)"):
+            _judge(con, out)
         summary.new_events = _write_new(con, out, run_id)
         _summarise(con, changed, summary, manifest, groups)
-        _write_metadata(con, out, source, paths)
+        with progress.step("counting the store's codes"):
+            _write_metadata(con, out, source, paths)
         _write_stays(con, out)
         if shard_files(out):
             summary.total_events = int(con.execute(

@@ -24,41 +24,63 @@ def configure(enabled: bool) -> None:
     _state["enabled"] = bool(enabled)
 
 
+class Advance:
+    """What a step yields: ``advance(n=1)`` counts finished items; ``advance.set_total(n)`` gives a step
+    whose size is known only once it has started its total (and so its ETA)."""
+
+    def __init__(self, count=None, total=None):
+        self._count, self._total = count or (lambda n: None), total or (lambda n: None)
+
+    def __call__(self, n: int = 1) -> None:
+        self._count(n)
+
+    def set_total(self, total: int) -> None:
+        self._total(total)
+
+
 def _plain(name, total, unit):
     t0 = time.perf_counter()
-    done = [0]
-    next_mark = [0.1]
-    last = [t0]
+    state = {"done": 0, "total": total, "mark": 0.1, "last": t0}
     print(f"{name}...", file=sys.stderr, flush=True)
 
     def advance(n=1):
-        done[0] += n
-        now = time.perf_counter()
-        if total and (done[0] / total >= next_mark[0] or now - last[0] >= PLAIN_EVERY_S):
-            eta = (now - t0) / done[0] * (total - done[0]) if done[0] else float("nan")
-            print(f"{name}: {done[0]}/{total} {unit}, {now - t0:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
-            last[0] = now
-            while next_mark[0] <= done[0] / total:
-                next_mark[0] += 0.1
-    return advance, lambda: print(f"{name}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                                  flush=True)
+        state["done"] += n
+        done, total, now = state["done"], state["total"], time.perf_counter()
+        # every tenth (once the step has run a second) and at least every PLAIN_EVERY_S seconds
+        if total and ((done / total >= state["mark"] and now - t0 >= 1.0) or now - state["last"] >= PLAIN_EVERY_S):
+            eta = (now - t0) / done * max(total - done, 0) if done else float("nan")
+            print(f"{name}: {done}/{total} {unit}, {now - t0:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            state["last"] = now
+            while state["mark"] <= done / total:
+                state["mark"] += 0.1
+
+    def set_total(n):
+        state["total"] = n
+    return Advance(advance, set_total), lambda: print(f"{name}: done in {time.perf_counter() - t0:.1f} s",
+                                                      file=sys.stderr, flush=True)
 
 
 @contextmanager
-def step(name: str, total: int | None = None, unit: str = "items") -> Iterator:
-    """A long step; yields ``advance(n=1)`` to count finished items (ignored without a ``total``)."""
+def phase(name: str) -> Iterator[None]:
+    """A run's phase, recorded (:data:`phases`) but not shown: its steps show themselves."""
     start = time.time()
     try:
-        with _shown(name, total, unit) as advance:
-            yield advance
+        yield
     finally:
         phases.append((name, start, time.time()))
 
 
 @contextmanager
+def step(name: str, total: int | None = None, unit: str = "items") -> Iterator[Advance]:
+    """A long step, shown and recorded; yields an :class:`Advance` (counts are ignored without a total)."""
+    with phase(name), _shown(name, total, unit) as advance:
+        yield advance
+
+
+@contextmanager
 def _shown(name, total, unit):
     if not _state["enabled"]:
-        yield lambda n=1: None
+        yield Advance()
         return
     if not sys.stderr.isatty():
         advance, finish = _plain(name, total, unit)
@@ -68,11 +90,9 @@ def _shown(name, total, unit):
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
-    columns = [SpinnerColumn(), TextColumn("{task.description}")]
-    if total:
-        columns += [BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn()]
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+               TimeRemainingColumn()]
     with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(name, total=total)
-        yield lambda n=1: bar.advance(task, n)
-        if total:
-            bar.update(task, completed=total)
+        yield Advance(lambda n=1: bar.advance(task, n), lambda n: bar.update(task, total=n))
+        bar.update(task, completed=bar.tasks[0].total or 0)
