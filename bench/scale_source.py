@@ -85,7 +85,8 @@ def make_source(demo: Path, out: Path, clones: int) -> Path:
 def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float = 0.01) -> Path:
     """``src`` (``clones`` copies of ``demo``) plus about ``fraction`` new rows, as a night brings them: the
     stays of a few new patients (the first subjects of one more clone, about ``fraction`` of the stays) and
-    late chart rows for existing stays (a copy of about ``fraction`` of the chart rows, one minute later)."""
+    late chart rows for about ``fraction`` of the existing stays (a charting backlog: a copy of each such
+    stay's chart rows, one minute later)."""
     demo, src, dst = Path(demo), Path(src), Path(dst)
     shutil.rmtree(dst, ignore_errors=True)
     con = duckdb.connect()
@@ -108,7 +109,7 @@ def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float 
                 late = ", ".join("strftime(CAST(charttime AS TIMESTAMP) + INTERVAL 1 MINUTE, '%Y-%m-%d %H:%M:%S') "
                                  "AS charttime" if c == "charttime" else c for c in cols)
                 parts.append(f"SELECT {late} FROM read_csv({_lit(f)}, all_varchar=true) "
-                             f"WHERE hash(subject_id, charttime, itemid, value) % {round(1 / fraction)} = 0")
+                             f"WHERE hash(stay_id) % {round(1 / fraction)} = 0")
             con.execute(f"COPY ({' UNION ALL '.join(parts)}) TO {_lit(dst / sub / f.name)} "
                         f"(FORMAT csv, HEADER, COMPRESSION gzip)")
     return dst

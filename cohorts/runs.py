@@ -5,6 +5,7 @@ aggregates or paths, so the flows that compose them carry no patient-level data 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -20,7 +21,7 @@ from memory.encoder import EventEncoder, train_encoder
 from pipeline import progress
 from pipeline.extract import scan_events
 from pipeline.keys import EventKeyer
-from pipeline.meds import subject_splits_path, write_label_file, write_subject_splits
+from pipeline.meds import atomic_write_text, subject_splits_path, write_label_file, write_subject_splits
 from pipeline.privacy import store_key, subject_ref
 
 from .characteristics import death_stays, describe_cohort, token_counts
@@ -30,6 +31,7 @@ from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
 from .provenance import code_version
 from .streams import cohort_stream, evaluation_streams
+from .stay_chunks import code_digest
 from .token_run import (OrderedTokens, ScoringPlan, StayIndex, declared_scaling, fit_scaling, label_run,
                         pending_streams, stay_facts, store_scores, write_results)
 from .tokens import TokenScaling, build_tokens, channels_from_config, label_specs, label_tokens
@@ -313,9 +315,23 @@ def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,
 
 
 def run_statistics(ws: Workspace) -> tuple[list, list]:
-    """Means, CIs and paired comparisons of the run's per-stay results, read from its results file."""
+    """Means, CIs and paired comparisons of the run's per-stay results, read from its results file; reused
+    from the last run when the results file and the code are the same (aggregates only are kept)."""
+    cached = ws.root / "cache" / "statistics.json"
+    h = hashlib.sha256(code_digest().encode())
+    with open(ws.results, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    key = h.hexdigest()
+    if cached.exists():
+        old = json.loads(cached.read_text())
+        if old.get("key") == key:
+            return old["summary"], old["paired"]
     with progress.step("statistics"):
-        return aggregate(pl.scan_parquet(ws.results))
+        summary, paired = aggregate(pl.scan_parquet(ws.results))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(cached, json.dumps({"key": key, "summary": summary, "paired": paired}))
+    return summary, paired
 
 
 def write_phases(ws: Workspace, since: float) -> Path:

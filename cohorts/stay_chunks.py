@@ -101,12 +101,13 @@ def stay_digests(events: pl.DataFrame, stays: pl.DataFrame) -> dict[int, str]:
 
 
 def code_digest() -> str:
-    """A digest of the code that computes per-stay results (the packages below flows/reports) and of the
-    numerical libraries' versions: a change of either recomputes every cached stay."""
+    """A digest of the code that computes per-stay results from the store's rows (``memory`` and ``cohorts``;
+    a change of extraction changes the rows, which the stays' digests see) and of the numerical libraries'
+    versions: a change of either recomputes every cached stay."""
     from importlib.metadata import PackageNotFoundError, version
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for pkg in ("memory", "pipeline", "cohorts"):
+    for pkg in ("memory", "cohorts"):
         for f in sorted((root / pkg).rglob("*.py")):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     for name in ("numpy", "scipy", "numba", "polars", "scikit-learn"):

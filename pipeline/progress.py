@@ -7,6 +7,7 @@ report their steps here, so the same code serves both.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -39,25 +40,44 @@ class Advance:
 
 
 def _plain(name, total, unit):
+    """(advance, finish) of a step shown as plain lines: every tenth of the total (once the step has run a
+    second), and a line at least every PLAIN_EVERY_S seconds even while no item finishes (a heartbeat), so no
+    long step is silent."""
     t0 = time.perf_counter()
     state = {"done": 0, "total": total, "mark": 0.1, "last": t0}
+    lock, stop = threading.Lock(), threading.Event()
     print(f"{name}...", file=sys.stderr, flush=True)
 
+    def line(now):
+        done, total = state["done"], state["total"]
+        counts = f"{done}/{total} {unit}, " if total else ""
+        eta = f", ETA {(now - t0) / done * max(total - done, 0):.0f} s" if total and done else ""
+        print(f"{name}: {counts}{now - t0:.0f} s{eta}", file=sys.stderr, flush=True)
+        state["last"] = now
+
     def advance(n=1):
-        state["done"] += n
-        done, total, now = state["done"], state["total"], time.perf_counter()
-        # every tenth (once the step has run a second) and at least every PLAIN_EVERY_S seconds
-        if total and ((done / total >= state["mark"] and now - t0 >= 1.0) or now - state["last"] >= PLAIN_EVERY_S):
-            eta = (now - t0) / done * max(total - done, 0) if done else float("nan")
-            print(f"{name}: {done}/{total} {unit}, {now - t0:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
-            state["last"] = now
-            while state["mark"] <= done / total:
-                state["mark"] += 0.1
+        with lock:
+            state["done"] += n
+            done, total, now = state["done"], state["total"], time.perf_counter()
+            if total and done / total >= state["mark"] and now - t0 >= 1.0:
+                line(now)
+                while state["mark"] <= done / total:
+                    state["mark"] += 0.1
+
+    def heartbeat():
+        while not stop.wait(1.0):
+            with lock:
+                if time.perf_counter() - state["last"] >= PLAIN_EVERY_S:
+                    line(time.perf_counter())
 
     def set_total(n):
         state["total"] = n
-    return Advance(advance, set_total), lambda: print(f"{name}: done in {time.perf_counter() - t0:.1f} s",
-                                                      file=sys.stderr, flush=True)
+
+    def finish():
+        stop.set()
+        print(f"{name}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    threading.Thread(target=heartbeat, daemon=True).start()
+    return Advance(advance, set_total), finish
 
 
 @contextmanager
@@ -84,8 +104,10 @@ def _shown(name, total, unit):
         return
     if not sys.stderr.isatty():
         advance, finish = _plain(name, total, unit)
-        yield advance
-        finish()
+        try:
+            yield advance
+        finally:
+            finish()
         return
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
