@@ -165,3 +165,22 @@ def test_a_deletion_drops_the_patient_s_cache_and_the_next_run_equals_one_that_n
     extract(never.source, never.store, key=load_key())
     _, _, never_rows = _run(never, cfg)
     assert rows.equals(never_rows)
+
+
+def test_declared_scaling_and_streaming_setting_are_used_as_given(source, tmp_path):
+    import copy
+
+    from cohorts.definitions import CohortConfigError
+    cfg = copy.deepcopy(load_config())
+    cfg["tokens"]["scaling"] = "reference"
+    for i, ch in enumerate(cfg["tokens"]["channels"]):
+        ch["reference"] = {"median": 50.0 + i, "mean": 60.0 + i, "sd": 10.0}
+    cfg["protocols"]["streaming"].update(nu=0.5, sigma=3.0)
+    ws = _workspace(tmp_path, "ws", source)
+    index, _, rows = _run(ws, cfg)
+    assert index.scaling.median.tolist() == [50.0 + i for i in range(len(cfg["tokens"]["channels"]))]
+    assert (index.settings.nu, index.settings.sigma, index.settings.selection) == (0.5, 3.0, [])
+    assert index.computed["grid"] == 0 and rows.height
+    del cfg["tokens"]["channels"][0]["reference"]
+    with pytest.raises(CohortConfigError, match="lack reference"):
+        _run(_workspace(tmp_path, "ws2", source), cfg)
