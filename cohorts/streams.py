@@ -7,7 +7,9 @@ import numpy as np
 import polars as pl
 
 from memory.cohort import token_id
+from pipeline.extract import scan_events_in
 from pipeline.keys import EventKeyer
+from pipeline.meds import shard_of
 from pipeline.privacy import subject_ref
 
 from .characteristics import death_stays, describe_cohort
@@ -104,7 +106,10 @@ def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScalin
     """
     if scaling is None and subject_id is not None:
         raise ValueError("one subject's stream needs the persisted token statistics")
-    table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_id))
+    # one subject's rows lie in their shard: only it is read
+    events = None if subject_id is None else \
+        scan_events_in(shard_of(store, subject_id)).filter(pl.col("subject_id") == int(subject_id))
+    table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_id), events=events)
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")
     order = pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + tie

@@ -186,15 +186,15 @@ def filled_tokens(events: pl.LazyFrame, spec: pl.DataFrame, cohort: pl.DataFrame
 
 
 def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
-                 cohort: pl.DataFrame | None = None) -> TokenTable:
+                 cohort: pl.DataFrame | None = None, events: pl.LazyFrame | None = None) -> TokenTable:
     """Hourly tokens of every cohort stay at once (small stores, one subject's stays; a run builds them chunk by
     chunk, :mod:`cohorts.token_run`). ``scaling`` (from a persisted memory) is used as given; otherwise it
-    is fitted on the training split's stays."""
+    is fitted on the training split's stays. ``events``: the rows to read (default: the whole store)."""
     channels = channels_from_config(cfg)
     names = [c.name for c in channels]
     hours_per_bin = bin_hours(cfg)
     cohort = build_cohort(store, cfg) if cohort is None else cohort
-    filled, counts = filled_tokens(scan_events(store), reading_spec(channels, store_codes(store)), cohort, names,
+    filled, counts = filled_tokens(scan_events(store) if events is None else events, reading_spec(channels, store_codes(store)), cohort, names,
                                    hours_per_bin)
     if scaling is None:
         scaling = TokenScaling.fit(filled.filter(pl.col("split") == "train"), names)
