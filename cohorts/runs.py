@@ -32,9 +32,9 @@ from .protocols import StreamingSettings, TokenStream, choose_streaming_settings
 from .provenance import code_version
 from .streams import cohort_stream, evaluation_streams
 from .stay_chunks import code_digest
-from .token_run import (OrderedTokens, ScoringPlan, StayIndex, declared_scaling, fit_scaling, label_run,
+from .token_run import (OrderedTokens, ScoringPlan, StayIndex, fit_scaling, label_run,
                         pending_streams, stay_facts, store_scores, write_results)
-from .tokens import TokenScaling, build_tokens, channels_from_config, label_specs, label_tokens
+from .tokens import TokenScaling, build_tokens, channels_from_config, declared_scaling, label_specs, label_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -39,8 +39,8 @@ from .definitions import CohortConfigError, build_cohort, deterioration_hours, r
 from .protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on, token_streams)
 from .stay_cache import StayCache
 from .stay_chunks import StayChunk, chunk_events, code_digest, in_windows, plan_chunks, stay_digests
-from .tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, filled_tokens, label_specs,
-                     reading_spec, threshold_expr)
+from .tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, declared_scaling, filled_tokens,
+                     label_specs, reading_spec, threshold_expr)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -232,23 +232,6 @@ def fit_scaling(ws: Workspace, index: StayIndex, names: list[str]) -> TokenScali
     return TokenScaling.fit(frame, names)
 
 
-def declared_scaling(cfg: dict, names: list[str]) -> TokenScaling | None:
-    """Token scaling declared in the cohort config (``tokens.scaling: reference`` with per-channel
-    ``reference: {median, mean, sd}``): independent of the patients; None when the config asks for the
-    training split's statistics."""
-    spec = cfg.get("tokens") or {}
-    if spec.get("scaling", "training_split") != "reference":
-        return None
-    ref = {c["name"]: c.get("reference") for c in spec["channels"]}
-    missing = [n for n in names if not ref.get(n) or not all(k in ref[n] for k in ("median", "mean", "sd"))]
-    if missing:
-        raise CohortConfigError(f"tokens.scaling is 'reference' but channel(s) {missing} lack reference: "
-                                f"{{median, mean, sd}}")
-    return TokenScaling(list(names), np.array([float(ref[n]["median"]) for n in names]),
-                        np.array([float(ref[n]["mean"]) for n in names]),
-                        np.array([float(ref[n]["sd"]) for n in names]))
-
-
 def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split: str | None = None) -> pl.DataFrame:
     """The labelled, imputed tokens of one shard's cohort stays (of ``split`` only when given), in stay and
     hour order: the frame :func:`cohorts.tokens.label_tokens` gives for those stays."""
@@ -288,12 +271,15 @@ def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split
     return tok.drop("key", "intime", "first_hash").sort("stay_id", "hour")
 
 
-def stream_digest(stream: TokenStream) -> str:
-    """A digest of what scoring reads of a stream: its stay's seed, every key set's keys and every label."""
+def stream_digest(stream: TokenStream, labels: list[str] | None = None) -> str:
+    """A digest of what scoring reads of a stream: its stay's seed, every key set's keys and every label (of
+    ``labels`` only, and only their key sets, when given)."""
+    keysets = sorted(stream.keys) if labels is None else sorted({stream.label_keyset[n] for n in labels})
+    labels = sorted(stream.labels) if labels is None else labels
     h = hashlib.sha256(str(int(stream.stay_id)).encode())
-    for name in sorted(stream.keys):
+    for name in keysets:
         h.update(name.encode() + np.ascontiguousarray(stream.keys[name], dtype=np.float64).tobytes())
-    for name in sorted(stream.labels):
+    for name in labels:
         h.update(name.encode() + stream.label_keyset[name].encode() + np.asarray(stream.labels[name]).tobytes())
     return h.hexdigest()[:32]
 
@@ -320,7 +306,8 @@ def declared_settings(cfg: dict) -> StreamingSettings | None:
 def _grid_rows(ws, shard, streams, cfg, grid_cfg_key, present) -> tuple[list, list]:
     """Per training stream its grid scores (cached, or computed now): (stay_id, scores) pairs, new cache rows."""
     cache = StayCache(ws.root, "grid")
-    keys = {s.stay_id: _digest(stream_digest(s), grid_cfg_key) for s in streams}
+    label = [cfg["protocols"]["streaming"]["select_label"]]     # the grid reads that label and its key set only
+    keys = {s.stay_id: _digest(stream_digest(s, label), grid_cfg_key) for s in streams}
     known = cache.read(shard, [k for k in keys.values() if k in present])
     known = {} if known is None else {k: list(zip(g.sort("j")["retention"], g.sort("j")["certified"]))
                                       for (k,), g in known.group_by(["key"])}

@@ -31,6 +31,7 @@ from .predicates import PredicateError, code_spec, matching_codes
 # name -> (scale, offset): unit = raw * scale + offset
 CONVERSIONS = {"fahrenheit_to_celsius": (5.0 / 9.0, -32.0 * 5.0 / 9.0)}
 KEYSET_ALL = "all_channels"
+SCALINGS = ("reference", "training_split")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,26 @@ class TokenScaling:
         return (raw - self.mean) / self.sd
 
 
+def declared_scaling(cfg: dict, names: list[str]) -> TokenScaling | None:
+    """Token scaling declared in the cohort config (``tokens.scaling: reference`` with per-channel
+    ``reference: {median, mean, sd}``): independent of the patients; None when the config asks for the
+    training split's statistics."""
+    spec = cfg.get("tokens") or {}
+    how = spec.get("scaling", "training_split")
+    if how not in SCALINGS:
+        raise CohortConfigError(f"tokens.scaling must be one of {SCALINGS}, got {how!r}")
+    if how != "reference":
+        return None
+    ref = {c["name"]: c.get("reference") for c in spec["channels"]}
+    missing = [n for n in names if not ref.get(n) or not all(k in ref[n] for k in ("median", "mean", "sd"))]
+    if missing:
+        raise CohortConfigError(f"tokens.scaling is 'reference' but channel(s) {missing} lack reference: "
+                                f"{{median, mean, sd}}")
+    return TokenScaling(list(names), np.array([float(ref[n]["median"]) for n in names]),
+                        np.array([float(ref[n]["mean"]) for n in names]),
+                        np.array([float(ref[n]["sd"]) for n in names]))
+
+
 @dataclass
 class TokenTable:
     """The cohort's hourly tokens (imputed raw channel values, one row per stay and bin) and their statistics.
@@ -196,8 +217,8 @@ def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
     cohort = build_cohort(store, cfg) if cohort is None else cohort
     filled, counts = filled_tokens(scan_events(store) if events is None else events, reading_spec(channels, store_codes(store)), cohort, names,
                                    hours_per_bin)
-    if scaling is None:
-        scaling = TokenScaling.fit(filled.filter(pl.col("split") == "train"), names)
+    scaling = scaling or declared_scaling(cfg, names) or TokenScaling.fit(filled.filter(pl.col("split") == "train"),
+                                                                          names)
     check_scaling(scaling, names)
     totals = counts.group_by("channel").agg(pl.col("readings").sum(), pl.col("artifacts").sum())
     idx = {r["channel"]: r for r in totals.iter_rows(named=True)}

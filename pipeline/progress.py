@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 _state = {"enabled": False}
 # Every step of this process, as it ran: (name, wall-clock start, end) -- the scale bench reads a run's phases.
@@ -29,7 +29,7 @@ class Advance:
     """What a step yields: ``advance(n=1)`` counts finished items; ``advance.set_total(n)`` gives a step
     whose size is known only once it has started its total (and so its ETA)."""
 
-    def __init__(self, count=None, total=None):
+    def __init__(self, count: Callable[[int], None] | None = None, total: Callable[[int], None] | None = None):
         self._count, self._total = count or (lambda n: None), total or (lambda n: None)
 
     def __call__(self, n: int = 1) -> None:

@@ -57,6 +57,7 @@ def _normal_hour(stay, subject, h, **over):
 @pytest.fixture()
 def store(tmp_path):
     cfg = load_config()
+    cfg["tokens"]["scaling"] = "training_split"     # these stays test the fitted statistics
     train, ev = _subject("train", cfg, 1000), _subject("eval", cfg, 1000)
     stays = {"stay_id": [1, 2], "subject_id": [train, ev], "hadm_id": [10, 20], "first_careunit": ["MICU"] * 2,
              "intime": [T0, T0], "outtime": [T0 + timedelta(hours=24)] * 2, "anchor_age": [60, 70]}
