@@ -178,12 +178,12 @@ def main(argv=None):
     print(f"{os.cpu_count()} cores; work in {work}")
     fractions = sorted(float(f) for f in a.fractions.split(","))
     results = [run_size(a.demo, f, work, env, reruns=not a.no_reruns) for f in fractions]
-    if a.dask_at:
-        run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False)
     if not a.no_delete:
         print(f"\ndeletion at {results[-1]['stays']} stays:")
         time_deletions(results[-1]["ws"], env)
     growth(results)
+    if a.dask_at:
+        run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False)
 
 
 if __name__ == "__main__":
