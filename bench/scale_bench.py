@@ -123,7 +123,9 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
 
 def time_deletions(ws: Path, env: dict) -> None:
     import polars as pl
-    subject = int(pl.scan_parquet(ws / "store" / "stays.parquet").select("subject_id").first().collect().item())
+    # an evaluation patient of the cohort (their tokens are in the cohort memory: replay has work to do)
+    subject = int(pl.scan_parquet(ws / "results" / "per_stay.parquet").select(pl.col("subject_id").min()).collect()
+                  .item())
     for mode in ("decrement", "replay"):
         copy = ws.with_name(ws.name + f"-del-{mode}")
         shutil.rmtree(copy, ignore_errors=True)
@@ -159,6 +161,7 @@ def main(argv=None):
                                                                 "(0: none)")
     ap.add_argument("--no-delete", action="store_true", help="skip timing forgetful delete at the largest size")
     ap.add_argument("--no-reruns", action="store_true", help="skip the two incremental reruns")
+    ap.add_argument("--delete-only", type=Path, default=None, help="only time forgetful delete on this workspace")
     ap.add_argument("--work", type=Path, default=None, help="where sources and workspaces go (default: a temp dir)")
     ap.add_argument("--demo", type=Path, default=DEMO, help="the MIMIC-IV demo (CSV layout) to clone")
     a = ap.parse_args(argv)
@@ -176,6 +179,9 @@ def main(argv=None):
     if not (work / "signing.key").exists():
         subprocess.run(FORGETFUL + ["keygen", str(work / "signing.key"), "--signing"], cwd=ROOT, env=env, check=True)
     print(f"{os.cpu_count()} cores; work in {work}")
+    if a.delete_only:
+        time_deletions(a.delete_only, env)
+        return
     fractions = sorted(float(f) for f in a.fractions.split(","))
     results = [run_size(a.demo, f, work, env, reruns=not a.no_reruns) for f in fractions]
     if not a.no_delete:
