@@ -151,6 +151,7 @@ def growth(results: list[dict]) -> None:
         full = tb * scale ** max(e, 0.0)
         total += full if ph != "whole run" else 0.0
         print(f"  {ph:14s} exponent {e:5.2f}   {tb:8.1f} s -> {full / 60:7.1f} min at 100 %")
+    print(f"  the phases' extrapolations summed: {total / 3600:.1f} h")
     print(f"  peak RSS: {a['peak']:.2f} GiB at {a['stays']} stays, {b['peak']:.2f} GiB at {b['stays']} stays")
 
 
