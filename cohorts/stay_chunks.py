@@ -76,14 +76,19 @@ def in_windows(events: pl.LazyFrame, stays: pl.DataFrame) -> pl.LazyFrame:
     return out.with_columns(hour.alias("hour")).drop("intime")
 
 
-def chunk_events(store: Path, chunk: StayChunk) -> pl.DataFrame:
-    """The chunk's stay events in stay and time order, reading only its shard between its first and last
-    subject (row groups outside that range are skipped by their statistics)."""
+def chunk_scan(store: Path, chunk: StayChunk) -> pl.LazyFrame:
+    """The chunk's subjects' rows: only its shard, between its first and last subject (row groups outside that
+    range are skipped by their statistics)."""
     subjects = chunk.subjects
-    events = scan_events_in(shard_of(store, int(subjects[0]))).filter(
+    return scan_events_in(shard_of(store, int(subjects[0]))).filter(
         pl.col("subject_id").is_between(int(subjects[0]), int(subjects[-1])) &
         pl.col("subject_id").is_in(subjects.implode()))
-    return in_windows(events, chunk.stays).sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect()
+
+
+def chunk_events(store: Path, chunk: StayChunk) -> pl.DataFrame:
+    """The chunk's stay events in stay and time order."""
+    return in_windows(chunk_scan(store, chunk), chunk.stays).sort(
+        ["stay_id", "time", "code", "event_hash", "occurrence"]).collect()
 
 
 def stay_digests(events: pl.DataFrame, stays: pl.DataFrame) -> dict[int, str]:

@@ -29,7 +29,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from memory.cohort import token_id
-from pipeline.extract import scan_events_in, store_codes
+from pipeline.extract import store_codes
 from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import LabelFiles, shard_of
 from pipeline.privacy import keyed_hash, store_key
@@ -38,7 +38,7 @@ from .characteristics import death_stays, describe_cohort
 from .definitions import CohortConfigError, build_cohort, deterioration_hours, rare_from_counts
 from .protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on, token_streams)
 from .stay_cache import StayCache
-from .stay_chunks import StayChunk, chunk_events, code_digest, in_windows, plan_chunks, stay_digests
+from .stay_chunks import StayChunk, chunk_events, chunk_scan, code_digest, in_windows, plan_chunks, stay_digests
 from .tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, declared_scaling, filled_tokens,
                      label_specs, reading_spec, threshold_expr)
 
@@ -144,13 +144,12 @@ def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Calla
         fp = _shard_fingerprint(store, shard, rows, cfg_key)
         refs = _stay_refs(rows["stay_id"].to_list(), secret)
         index = _load_index(ws, shard)
-        cached = caches["facts"].keys(shard) if index.get("fingerprint") == fp else None
-        if cached is not None and all(index["keys"].get(r) in cached for r in refs):
+        present = caches["facts"].keys(shard)
+        if index.get("fingerprint") == fp and all(index["keys"].get(r) in present for r in refs):
             keys_all.update({s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)})
             if on_chunk is not None:
                 on_chunk(rows.height)
             continue
-        present = caches["facts"].keys(shard)
         shard_keys = {}
         for chunk in plan_chunks(rows, chunk_stays):
             events = chunk_events(store, chunk)
@@ -191,7 +190,7 @@ def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: dict) -> None:
     index.rare, index.rare_threshold = rare_from_counts(train, every, cfg)
 
 
-def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int, on_chunk: Callable | None) -> None:
+def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int) -> None:
     """Phase 2a: per stay the hours holding a rare code, cached under the stay's key and the vocabulary."""
     cache = StayCache(ws.root, "rare")
     vocab = _digest(sorted(index.rare))
@@ -205,20 +204,13 @@ def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int, on_chunk: Cal
         todo = rows.filter(~pl.col("rare_key").is_in(pl.Series(list(present), dtype=pl.String).implode()))
         new = []
         for chunk in plan_chunks(todo.drop("key", "rare_key", "shard"), chunk_stays) if todo.height else []:
-            subjects = chunk.subjects
-            events = scan_events_in(shard_of(ws.store, shard)).filter(
-                pl.col("subject_id").is_between(int(subjects[0]), int(subjects[-1])) &
-                pl.col("subject_id").is_in(subjects.implode()) & pl.col("code").is_in(rare))
+            events = chunk_scan(ws.store, chunk).filter(pl.col("code").is_in(rare))
             hours = in_windows(events, chunk.stays).select("stay_id", "hour").unique().collect()
             keys = chunk.stays.join(todo.select("stay_id", "rare_key"), on="stay_id").select("stay_id", "rare_key")
             marker = keys.select(pl.col("rare_key").alias("key"), pl.lit(None, dtype=pl.Int64).alias("hour"))
             new += [marker, hours.join(keys, on="stay_id").select(pl.col("rare_key").alias("key"), "hour")]
             computed += chunk.stays.height
-            if on_chunk is not None:
-                on_chunk(chunk.stays.height)
         cache.update(shard, set(rows["rare_key"].to_list()) & present, new)
-        if on_chunk is not None:
-            on_chunk(rows.height - todo.height)
     index.computed["rare"] = computed
 
 
@@ -303,9 +295,9 @@ def declared_settings(cfg: dict) -> StreamingSettings | None:
     return StreamingSettings(float(st["nu"]), float(st["sigma"])) if "nu" in st and "sigma" in st else None
 
 
-def _grid_rows(ws, shard, streams, cfg, grid_cfg_key, present) -> tuple[list, list]:
-    """Per training stream its grid scores (cached, or computed now): (stay_id, scores) pairs, new cache rows."""
-    cache = StayCache(ws.root, "grid")
+def _grid_rows(cache: StayCache, shard: int, streams: list[TokenStream], cfg: dict, grid_cfg_key: str) -> list:
+    """Per training stream its grid scores, from the cache or computed now (and cached): (stay_id, scores)."""
+    present = cache.keys(shard)
     label = [cfg["protocols"]["streaming"]["select_label"]]     # the grid reads that label and its key set only
     keys = {s.stay_id: _digest(stream_digest(s, label), grid_cfg_key) for s in streams}
     known = cache.read(shard, [k for k in keys.values() if k in present])
@@ -319,7 +311,8 @@ def _grid_rows(ws, shard, streams, cfg, grid_cfg_key, present) -> tuple[list, li
             new.append(pl.DataFrame({"key": [keys[s.stay_id]] * len(scores), "j": list(range(len(scores))),
                                      "retention": [r for r, _ in scores], "certified": [c for _, c in scores]}))
         out.append((s.stay_id, scores))
-    return out, new, set(keys.values())
+    cache.update(shard, set(keys.values()), new)
+    return out, len(new)
 
 
 def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256,
@@ -329,7 +322,7 @@ def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256
     channels = channels_from_config(cfg)
     names = [c.name for c in channels]
     _rare_vocabulary(ws, index, cfg)
-    _rare_hours(ws, index, chunk_stays, None)
+    _rare_hours(ws, index, chunk_stays)
     index.scaling = declared_scaling(cfg, names) or fit_scaling(ws, index, names)
     check_scaling(index.scaling, names)
     specs = label_specs(cfg)
@@ -352,11 +345,9 @@ def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256
                 train = tok.filter(pl.col("stay_id").is_in(pl.Series(sorted(sample), dtype=pl.Int64).implode()))
                 streams = [s for s in token_streams(train, index.scaling, cfg, split="train")
                            if selects_on(s, cfg["protocols"]["streaming"])]
-                cache = StayCache(ws.root, "grid")
-                scores, new, wanted = _grid_rows(ws, shard, streams, cfg, grid_cfg_key, cache.keys(shard))
-                cache.update(shard, wanted, new)
+                scores, n_new = _grid_rows(StayCache(ws.root, "grid"), shard, streams, cfg, grid_cfg_key)
                 grid += scores
-                computed += len(new)
+                computed += n_new
         if on_shard is not None:
             on_shard(index.shard_rows(shard).height)
     files.close()
