@@ -184,3 +184,6 @@ def test_declared_scaling_and_streaming_setting_are_used_as_given(source, tmp_pa
     del cfg["tokens"]["channels"][0]["reference"]
     with pytest.raises(CohortConfigError, match="lack reference"):
         _run(_workspace(tmp_path, "ws2", source), cfg)
+    cfg["tokens"]["scaling"] = "per_run"
+    with pytest.raises(CohortConfigError, match="tokens.scaling must be one of"):
+        _run(_workspace(tmp_path, "ws3", source), cfg)
