@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import meds
 import polars as pl
 
 from pipeline.extract import quarantine_reasons
@@ -115,7 +116,7 @@ def _criterion_rows(cohort: pl.DataFrame, fired: pl.DataFrame, cfg: dict) -> lis
 
 def death_stays(events: pl.DataFrame, cfg: dict) -> pl.Series:
     """The stays with a death code dated inside their window (ICU mortality)."""
-    return events.filter(code_expr(cfg["cohort"].get("death_codes", ["DEATH"])))["stay_id"].unique()
+    return events.filter(code_expr(cfg["cohort"].get("death_codes", [meds.death_code])))["stay_id"].unique()
 
 
 def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, deaths: pl.Series, fired: pl.DataFrame,
@@ -123,7 +124,7 @@ def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, deaths: pl.Ser
     """Table 1 of the cohort, from per-stay facts a run gathers chunk by chunk: ``deaths`` (stay ids,
     :func:`death_stays`), ``fired`` (stay_id, hour, criterion: :func:`cohorts.definitions.deterioration_hours`)
     and ``token_stays`` (:func:`token_counts`; None in events mode)."""
-    death_codes = cfg["cohort"].get("death_codes", ["DEATH"])
+    death_codes = cfg["cohort"].get("death_codes", [meds.death_code])
     rows = _demographics(cohort, deaths)
     if token_stays is not None:
         rows += _token_rows(token_stays, [n for n in (cfg.get("token_labels") or {}) if n in token_stays.columns])

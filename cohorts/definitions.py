@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import meds
 import polars as pl
 import yaml
 
@@ -38,7 +39,7 @@ def load_config(path: Path | None = None) -> dict | None:
                 raise CohortConfigError(f"{where} (sofa_rise) needs components and window_hours")
             for name, comp in c["components"].items():
                 _checked_codes(comp, f"{where}, component {name!r}")
-    _checked_codes({"codes": cfg["cohort"].get("death_codes", ["DEATH"])}, "cohort.death_codes")
+    _checked_codes({"codes": cfg["cohort"].get("death_codes", [meds.death_code])}, "cohort.death_codes")
     if not 0.0 <= cfg["split"]["eval_fraction"] <= 1.0:
         raise CohortConfigError("split.eval_fraction must lie in [0, 1]")
     return cfg

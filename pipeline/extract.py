@@ -33,8 +33,8 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from . import progress
-from .extract_rules import (EVENT_TABLES, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader, dictionary_selects,
-                            event_selects, quarantine_reason, sql_literal, table_view, ts)
+from .extract_rules import (EVENT_TABLES, HASHED_CODE, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader,
+                            dictionary_selects, event_selects, quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
                    codes_metadata_path, events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files,
                    shard_of, stage_meds, write_codes_metadata, write_dataset_metadata, write_shard)
@@ -276,8 +276,8 @@ def _judge(con, out) -> None:
                      AND staged.subject_id = s.subject_id AND staged.time >= s.intime
                      AND staged.time <= s.outtime""")
     con.execute(f"""CREATE TEMP TABLE judged AS
-        SELECT e.*, {quarantine_reason()} AS reason,
-               md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, e.code, e.raw_numeric,
+        SELECT e.* REPLACE (NULLIF(e.text_value, '') AS text_value), {quarantine_reason()} AS reason,
+               md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, {HASHED_CODE}, e.raw_numeric,
                                     e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
         FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
     con.execute("""CREATE TEMP TABLE numbered AS SELECT *,

@@ -6,6 +6,8 @@ import csv
 import gzip
 from typing import TYPE_CHECKING
 
+import meds
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -51,6 +53,13 @@ EVENT_TABLES = ("patients", "admissions", "transfers", "icustays", "labevents", 
                 "microbiologyevents")
 # Tables without event times of their own, dated by their admission's discharge (as the community ETL does).
 DATED_BY_DISCHARGE = ("diagnoses_icd", "drgcodes")
+# MEDS's death code; the date of death alone (patients.dod) stays distinguishable under its own code.
+DEATH_CODE = meds.death_code
+DEATH_DATE_CODE = f"{DEATH_CODE}//DOD"
+# Releases before format 2 coded death DEATH and DEATH//DOD. An event's content hash reads its code under the old
+# name, so a migrated store (codes renamed in place) still recognises the rows it already holds.
+HASHED_CODE = (f"CASE e.code WHEN '{DEATH_CODE}' THEN 'DEATH' WHEN '{DEATH_DATE_CODE}' THEN 'DEATH//DOD' "
+               f"ELSE e.code END")
 # Static measurements (MEDS: no time): the only events not quarantined for a missing time.
 STATIC_CODE_PREFIX = "GENDER//"
 
@@ -164,19 +173,19 @@ def _hospital_selects(table: str, sel) -> list:
     if table == "admissions":
         return [sel("admittime", "'HOSPITAL_ADMISSION'", None, None, None, stay=None),
                 sel("dischtime", "'HOSPITAL_DISCHARGE'", None, None, None, stay=None),
-                sel("deathtime", "'DEATH'", None, None, None, stay=None) + " WHERE NULLIF(deathtime, '') IS NOT NULL",
+                sel("deathtime", f"'{DEATH_CODE}'", None, None, None, stay=None) + " WHERE NULLIF(deathtime, '') IS NOT NULL",
                 sel("edregtime", "'ED_REGISTRATION'", None, None, None, stay=None)
                 + " WHERE NULLIF(edregtime, '') IS NOT NULL",
                 sel("edouttime", "'ED_OUT'", None, None, None, stay=None) + " WHERE NULLIF(edouttime, '') IS NOT NULL"]
     if table == "patients":
         # sex (static: no time), birth at the start of the year anchor_year - anchor_age (MIMIC-IV shifts dates
         # per patient and states the age only at the anchor year), and the date of death where no admission
-        # recorded a death time: a date only, so its own code, DEATH//DOD, that no hour-level criterion reads
+        # recorded a death time: a date only, so its own code, MEDS_DEATH//DOD, that no hour-level criterion reads
         birth = "CAST(TRY_CAST(anchor_year AS INT) - TRY_CAST(anchor_age AS INT) AS VARCHAR) || '-01-01 00:00:00'"
         return [sel("NULL::VARCHAR", f"'{STATIC_CODE_PREFIX}' || gender", None, None, None, stay=None, hadm=None)
                 + " WHERE NULLIF(gender, '') IS NOT NULL",
                 sel(birth, "'MEDS_BIRTH'", None, None, None, stay=None, hadm=None),
-                sel("dod", "'DEATH//DOD'", None, None, None, stay=None, hadm=None)
+                sel("dod", f"'{DEATH_DATE_CODE}'", None, None, None, stay=None, hadm=None)
                 + " WHERE NULLIF(dod, '') IS NOT NULL AND NOT died_in_hospital"]
     if table == "emar":
         return [sel("charttime", "'EMAR//' || COALESCE(NULLIF(event_txt, ''), 'UNK') || '//' || "

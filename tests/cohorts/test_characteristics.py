@@ -12,9 +12,9 @@ from reports.html import render_report
 from tests.builders import hand_result
 
 T0 = datetime(2150, 1, 1)
-CFG = {"cohort": {"min_age": 18, "min_stay_hours": 12, "death_codes": ["DEATH"]},
+CFG = {"cohort": {"min_age": 18, "min_stay_hours": 12, "death_codes": ["MEDS_DEATH"]},
        "deterioration": {"criteria": [{"name": "low_map", "codes": ["MAP"], "below": 65},
-                                      {"name": "icu_death", "codes": ["DEATH"], "first_event": True}]},
+                                      {"name": "icu_death", "codes": ["MEDS_DEATH"], "first_event": True}]},
        "token_labels": {"composite": {}}}
 
 
@@ -26,7 +26,7 @@ def cohort():
 
 def events():
     rows = [(1, "MAP", 60.0, 1), (1, "MAP", 50.0, 1), (1, "MAP", 55.0, 2), (1, "MAP", 80.0, 3),
-            (3, "MAP", 70.0, 5), (3, "DEATH", None, 70)]
+            (3, "MAP", 70.0, 5), (3, "MEDS_DEATH", None, 70)]
     return pl.DataFrame({"stay_id": [r[0] for r in rows], "code": [r[1] for r in rows],
                          "numeric_value": [r[2] for r in rows], "hour": [r[3] for r in rows],
                          "time": [T0 + timedelta(hours=r[3]) for r in rows]})

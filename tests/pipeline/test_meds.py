@@ -3,6 +3,8 @@ source (stays from its admission/discharge codes, codes matched by ACES-style pr
 label files and subject splits that a deletion rewrites."""
 import json
 import shutil
+import subprocess
+import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -47,7 +49,6 @@ def _as_etl(store: Path, out: Path) -> Path:
             .then(pl.lit("LAB//") + item + pl.lit("//") + unit)
             .when(pl.col("code").str.starts_with("INPUT//")).then(pl.lit("INFUSION_START//") + item)
             .when(pl.col("code").str.starts_with("PROCEDURE//")).then(pl.lit("PROCEDURE//START//") + item)
-            .when(pl.col("code") == "DEATH").then(pl.lit("MEDS_DEATH"))
             .otherwise(pl.col("code")))
     # stays, sex and birth are written below as the ETL writes them (birth: age at the first stay = anchor_age)
     body = (ev.filter(~pl.col("code").str.starts_with("ICU_") & ~pl.col("code").str.starts_with("GENDER//")
@@ -186,9 +187,29 @@ def test_aces_style_predicates_match_codes_and_values():
 
 
 @pytest.mark.skipif(not DEMO.exists(), reason="shared/data/mimic-iv-demo is not present on this machine")
-def test_the_demo_store_validates_with_meds(tmp_path):
+def test_the_demo_store_validates_with_meds_and_follows_its_conventions(tmp_path):
     extract(DEMO, tmp_path / "store")
     assert validate_dataset(tmp_path / "store") == []
+    events = pl.scan_parquet(shard_files(tmp_path / "store"))
+    # an empty source field is a null text value, never "" (meds_reader's verify rejects "")
+    assert events.filter(pl.col("text_value") == "").select(pl.len()).collect().item() == 0
+    assert events.filter(pl.col("text_value").is_not_null()).select(pl.len()).collect().item() > 0
+    deaths = set(events.filter(pl.col("code").str.contains("DEATH")).select("code").unique().collect()["code"])
+    assert deaths == {meds.death_code, f"{meds.death_code}//DOD"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEMO.exists(), reason="shared/data/mimic-iv-demo is not present on this machine")
+@pytest.mark.skipif(shutil.which("meds_reader_verify", path=str(Path(sys.executable).parent)) is None,
+                    reason="meds_reader is not installed (pip install meds_reader)")
+def test_meds_reader_converts_and_verifies_the_demo_store(tmp_path):
+    extract(DEMO, tmp_path / "store")
+    bin_dir = Path(sys.executable).parent
+    subprocess.run([bin_dir / "meds_reader_convert", tmp_path / "store", tmp_path / "db", "--num_threads", "2"],
+                   check=True, capture_output=True)
+    verify = subprocess.run([bin_dir / "meds_reader_verify", tmp_path / "store", tmp_path / "db"],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0 and "Test passed" in verify.stdout + verify.stderr, verify.stderr[-2000:]
 
 
 def test_derived_stay_ids_that_would_collide_are_refused_and_nothing_is_written(tmp_path):
