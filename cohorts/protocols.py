@@ -11,8 +11,9 @@
   the same C (design note 2.3: a certificate holds for the solve it was issued against, not for the future).
 
 Metrics per label: ``retention`` (labelled tokens kept / labelled tokens) and ``retrieval`` (for each labelled
-token, is the argmax of the uniform RBF readout over the kept set, queried at its key, a labelled token).
-Every policy gets the same readout, so only selection differs.
+token, is the kept token nearest to it, the argmax of the RBF over the kept keys queried at its key, labelled: the
+nearest-token readout; the paper's synthetic benchmark instead sums the kernel weight per group, see
+bench/rare_items_bench.py). Every policy gets the same readout, so only selection differs.
 """
 from __future__ import annotations
 
