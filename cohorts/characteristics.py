@@ -23,9 +23,11 @@ SPLITS = ("all", "train", "eval")
 
 @dataclass(frozen=True)
 class Count:
-    """``n`` of ``of`` (``of`` = 0: a plain count with no percentage)."""
+    """``n`` of ``of`` (``of`` = 0: a plain count with no percentage) ``unit``s: stays, patients (the counts of
+    people that a shared report suppresses when small), tokens or hours."""
     n: int
     of: int = 0
+    unit: str = "stays"
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,13 @@ class Spread:
 
 @dataclass(frozen=True)
 class Row:
-    """One characteristic: one cell per split of :data:`SPLITS`, under a ``group`` heading ('' for none)."""
+    """One characteristic: one cell per split of :data:`SPLITS`, under a ``group`` heading ('' for none);
+    ``partition``: the group's rows split one total (each stay in one row), so one row's count follows from the
+    others'."""
     name: str
     cells: tuple
     group: str = ""
+    partition: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ def _stays_with(cohort: pl.DataFrame, stay_ids: pl.Series) -> tuple:
 
 def _demographics(cohort: pl.DataFrame, deaths: pl.Series) -> list[Row]:
     rows = [Row("ICU stays", _by_split(cohort, lambda f: Count(f.height))),
-            Row("patients", _by_split(cohort, lambda f: Count(int(f["subject_id"].n_unique())))),
+            Row("patients", _by_split(cohort, lambda f: Count(int(f["subject_id"].n_unique()), unit="patients"))),
             Row("age, years", _by_split(cohort, lambda f: _spread(f["anchor_age"])))]
     if "gender" in cohort.columns:
         rows.append(Row("female", _by_split(cohort, lambda f: Count(int((f["gender"] == "F").sum()), f.height))))
@@ -81,16 +86,18 @@ def _demographics(cohort: pl.DataFrame, deaths: pl.Series) -> list[Row]:
              Row("ICU mortality", _stays_with(cohort, deaths))]
     for unit in sorted(cohort["first_careunit"].drop_nulls().unique()):
         rows.append(Row(unit, _by_split(cohort, lambda f, u=unit: Count(int((f["first_careunit"] == u).sum()),
-                                                                          f.height)), group="first care unit"))
+                                                                          f.height)), group="first care unit",
+                        partition=True))
     return rows
 
 
 def _token_rows(per_stay: pl.DataFrame, labels: list[str]) -> list[Row]:
     """``per_stay``: one row per stay with tokens (stay_id, split, tokens, and per label its labelled tokens)."""
     rows = [Row("stays with vital-sign tokens", _by_split(per_stay, lambda f: Count(f.height))),
-            Row("hourly tokens", _by_split(per_stay, lambda f: Count(int(f["tokens"].sum()))))]
+            Row("hourly tokens", _by_split(per_stay, lambda f: Count(int(f["tokens"].sum()), unit="tokens")))]
     for name in labels:
-        rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int(f[n].sum()), int(f["tokens"].sum()))),
+        rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int(f[n].sum()), int(f["tokens"].sum()),
+                                                                          unit="tokens")),
                         group="labelled tokens (% of tokens)"))
     for name in labels:
         rows.append(Row(name, _by_split(per_stay, lambda f, n=name: Count(int((f[n] > 0).sum()), f.height)),
@@ -109,7 +116,8 @@ def _criterion_rows(cohort: pl.DataFrame, fired: pl.DataFrame, cfg: dict) -> lis
     rows = []
     for c in cfg["deterioration"]["criteria"]:
         mine = fired.filter(pl.col("criterion") == c["name"])
-        rows += [Row("hours in which it fires", _by_split(mine, lambda f: Count(f.height)), group=c["name"]),
+        rows += [Row("hours in which it fires", _by_split(mine, lambda f: Count(f.height, unit="hours")),
+                     group=c["name"]),
                  Row("stays (% of stays)", _stays_with(cohort, mine["stay_id"].unique()), group=c["name"])]
     return rows
 

@@ -10,14 +10,12 @@ import yaml
 
 from pipeline.extract import scan_events
 
+from .endpoints import endpoints_from_config
+from .errors import CohortConfigError
 from .predicates import PredicateError, code_expr, code_spec, has_value_bounds, value_expr
 from .stay_chunks import in_windows
 
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
-
-
-class CohortConfigError(ValueError):
-    """The cohort configuration is missing a field or has an invalid one."""
 
 
 def load_config(path: Path | None = None) -> dict | None:
@@ -42,7 +40,17 @@ def load_config(path: Path | None = None) -> dict | None:
     _checked_codes({"codes": cfg["cohort"].get("death_codes", [meds.death_code])}, "cohort.death_codes")
     if not 0.0 <= cfg["split"]["eval_fraction"] <= 1.0:
         raise CohortConfigError("split.eval_fraction must lie in [0, 1]")
+    endpoints_from_config(cfg)
+    small_cell_threshold(cfg)
     return cfg
+
+
+def small_cell_threshold(cfg: dict) -> int:
+    """The smallest count of people a shared report shows (``report.small_cell_threshold``; 11 by default)."""
+    t = (cfg.get("report") or {}).get("small_cell_threshold", 11)
+    if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+        raise CohortConfigError(f"report.small_cell_threshold must be a positive integer, not {t!r}")
+    return t
 
 
 def _checked_codes(entry: dict, where: str) -> None:

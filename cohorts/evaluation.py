@@ -25,9 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
+from scipy.stats import wilcoxon
 
 from memory.kernels import rbf
 from memory.policies import POLICIES
+
+from .endpoints import EXPLORATORY, NO_ENDPOINTS, Endpoints
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -268,10 +271,12 @@ def holm(p_values: list) -> list:
     return out.tolist()
 
 
-def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_certified") -> tuple:
+def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_certified",
+              endpoints: Endpoints = NO_ENDPOINTS) -> tuple:
     """Per (protocol, tokens, keys, label, budget, policy, metric): mean, CI, n; and paired differences of
-    ``reference`` minus each other policy on the same stays, with a sign-flip p-value and its Holm adjustment
-    over every paired comparison of the run (``p_holm``).
+    ``reference`` minus each other policy on the same stays, with a sign-flip p-value (``p_value``), the
+    Wilcoxon signed-rank p beside it (``p_wilcoxon``), the comparison's ``family`` under ``endpoints`` and its
+    Holm adjustment within that family (``p_holm``; None for an exploratory comparison).
 
     ``rows``: per-stay rows (a list, as :func:`long_rows` takes them) or a frame of long rows, such as a
     lazy scan of a run's results file. Values are held per group as arrays, in stay order (the order the
@@ -295,14 +300,30 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
         if fields["policy"] != reference and fields["metric"] in PAIRED_METRICS and ref_key in by:
             ref_stays, ref_v = by[ref_key]
             _, i, j = np.intersect1d(ref_stays, stays, assume_unique=True, return_indices=True)
-            d = ref_v[i] - v[j]
-            dlo, dhi = bootstrap_ci(d)
-            paired.append({**{k: fields[k] for k in GROUP if k != "policy"}, "baseline": fields["policy"],
-                           "mean_diff": float(d.mean()) if len(d) else float("nan"), "ci_low": dlo, "ci_high": dhi,
-                           "p_value": sign_flip_p(d), "n": int(len(d))})
-    for row, p in zip(paired, holm([r["p_value"] for r in paired])):
-        row["p_holm"] = p
+            paired.append(_paired_row(fields, ref_v[i] - v[j], endpoints))
+    for family in {r["family"] for r in paired} - {EXPLORATORY}:
+        members = [r for r in paired if r["family"] == family]
+        for row, p in zip(members, holm([r["p_value"] for r in members])):
+            row["p_holm"] = p
     return summary, paired
+
+
+def _paired_row(fields: dict, d: np.ndarray, endpoints: Endpoints) -> dict:
+    row = {**{k: fields[k] for k in GROUP if k != "policy"}, "baseline": fields["policy"]}
+    family = endpoints.family_of(row)
+    dlo, dhi = bootstrap_ci(d)
+    return {**row, "mean_diff": float(d.mean()) if len(d) else float("nan"), "ci_low": dlo, "ci_high": dhi,
+            "p_value": sign_flip_p(d, n_perm=endpoints.resamples(family)), "p_wilcoxon": wilcoxon_p(d),
+            "n": int(len(d)), "family": family, "p_holm": None}
+
+
+def wilcoxon_p(d: np.ndarray) -> float:
+    """Two-sided Wilcoxon signed-rank p of paired differences (exact for small n without ties, else its
+    normal approximation): a p-value with no resampling floor, beside the sign-flip test."""
+    d = np.asarray(d, dtype=np.float64)
+    if len(d) == 0 or np.allclose(d, 0):
+        return 1.0
+    return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
 
 
 HEADLINE_METRICS = ("retention", "certified_fraction", "certificate_expiry")

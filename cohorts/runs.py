@@ -25,8 +25,10 @@ from pipeline.meds import atomic_write_text, subject_splits_path, write_label_fi
 from pipeline.privacy import store_key, subject_ref
 
 from .characteristics import death_stays, describe_cohort, token_counts
-from .definitions import build_cohort, deterioration_hours, is_eval_subject, stay_events, workspace_config
+from .definitions import (build_cohort, deterioration_hours, is_eval_subject, small_cell_threshold, stay_events,
+                          workspace_config)
 from .encoder_data import training_windows
+from .endpoints import endpoints_from_config
 from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
 from .provenance import code_version
@@ -62,7 +64,10 @@ def run_metadata(ws: Workspace, budgets: tuple, fractions: tuple, max_events: in
         rules = {"tokens": "raw events", "max_events_per_stay": max_events,
                  "sv_rule": "C = 1/(0.5 B); evict the reserve token with the largest slack; fallback: exact "
                             "decrement of the smallest-coefficient active token (uncertified)"}
+    cfg = cfg or workspace_config(ws.root)
+    endpoints = endpoints_from_config(cfg).as_settings()
     return {"data_source": str(ws.store), "code_version": code_version(), "budgets": list(budgets),
+            "declared_endpoints": endpoints, "small_cell_threshold": small_cell_threshold(cfg),
             "fractions": list(fractions),
             "fraction_budget_rule": f"round(fraction * stream length), at least 4, at most {max(budgets)} "
                                     "(the largest fixed budget)" if len(budgets) else "round(fraction * stream length)",
@@ -315,10 +320,12 @@ def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,
 
 
 def run_statistics(ws: Workspace) -> tuple[list, list]:
-    """Means, CIs and paired comparisons of the run's per-stay results, read from its results file; reused
-    from the last run when the results file and the code are the same (aggregates only are kept)."""
+    """Means, CIs and paired comparisons of the run's per-stay results, read from its results file, under the
+    config's declared endpoints; reused from the last run when the results file, the endpoints and the code are
+    the same (aggregates only are kept)."""
     cached = ws.root / "cache" / "statistics.json"
-    h = hashlib.sha256(code_digest().encode())
+    endpoints = endpoints_from_config(workspace_config(ws.root))
+    h = hashlib.sha256((code_digest() + json.dumps(endpoints.as_settings(), sort_keys=True)).encode())
     with open(ws.results, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
@@ -328,7 +335,7 @@ def run_statistics(ws: Workspace) -> tuple[list, list]:
         if old.get("key") == key:
             return old["summary"], old["paired"]
     with progress.step("statistics"):
-        summary, paired = aggregate(pl.scan_parquet(ws.results))
+        summary, paired = aggregate(pl.scan_parquet(ws.results), endpoints=endpoints)
     cached.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(cached, json.dumps({"key": key, "summary": summary, "paired": paired}))
     return summary, paired

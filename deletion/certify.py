@@ -5,6 +5,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from cohorts.definitions import small_cell_threshold, workspace_config
 from cohorts.provenance import code_version
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
 from reports.certificate_page import render_certificate_html
@@ -58,7 +59,8 @@ def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed
     """Stage the certificate, its page, its receipt, its log entry and the newly signed checkpoint; mark the
     reports stale naming it. Returns the certificate's file name."""
     name = f"{log.size:06d}.json"
-    text, page = canonical(cert), render_certificate_html(cert, name)
+    threshold = small_cell_threshold(workspace_config(ws.root))
+    text, page = canonical(cert), render_certificate_html(cert, name, threshold)
     line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
     txn.stage(ws.certificates / name).write_text(text)
     txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)

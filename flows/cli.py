@@ -123,9 +123,11 @@ def _preflight(args):
         load_signing_key(Workspace(args.out).root)
 
 
-def _print_headline(summary):
+def _print_headline(result: dict):
+    """The headline rows on the console, small counts of stays hidden as in the report."""
     from cohorts.evaluation import headline_rows
-    for r in headline_rows(summary):
+    from reports.disclosure import disclosed
+    for r in headline_rows(disclosed(result)["summary"]):
         label = r["label"] if r["label"] != "none" else f"keys {r['keys']}"
         print(f"  {r['protocol']:<13} {label:<22} B={r['budget']:>3} {r['policy']:<15} {r['metric']:<18} "
               f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
@@ -207,7 +209,7 @@ def _scheduled(args):
             return 0
         out = scheduled_run(**params)
     print(f"report: {out['report']}")
-    _print_headline(out["result"]["summary"])
+    _print_headline(out["result"])
     return 0
 
 

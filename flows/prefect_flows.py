@@ -20,6 +20,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 from prefect.tasks import Task
 
 from cohorts.definitions import CohortConfigError, install_config, workspace_config
+from cohorts.endpoints import endpoints_from_config
 from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, EventStream, aggregate, balanced_chunks,
                                 headline_rows, long_rows, run_sweep)
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
@@ -36,6 +37,7 @@ from pipeline.meds import MedsStayCodes
 from pipeline.privacy import load_key
 from pipeline.transaction import recover
 from pipeline.workspace import Workspace
+from reports.disclosure import disclosed
 from reports.html import render_report
 
 TASK_RUNNERS = ("process", "thread", "dask")
@@ -226,7 +228,7 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
         rows = long_rows([r for f in futures for r in f.result()])
         save_results_task(rows, str(ws.root))
         with progress.step("statistics"):
-            summary, paired = aggregate(rows)
+            summary, paired = aggregate(rows, endpoints=endpoints_from_config(cfg))
         n_stays, scored = len(streams), len(streams)
     metadata = run_metadata(ws, budgets, fractions, max_events, memory_budget, time.perf_counter() - t0,
                             tokens=tokens, settings=settings, cfg=cfg)
@@ -239,6 +241,7 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
 def report(root: str | Path, result: dict) -> str:
     with progress.step("report"):
         path = render_task(result, str(Workspace(root).root))
+    result = disclosed(result)
     headline = [{"protocol": r["protocol"], "tokens": r["tokens"], "label": r["label"], "budget": r["budget"],
                  "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
                  "ci": f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]", "n": r["n"]}

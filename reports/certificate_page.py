@@ -6,6 +6,8 @@ authority.
 """
 import html
 
+from .disclosure import DEFAULT_THRESHOLD, is_small, shown_count
+
 STYLE = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222;line-height:1.4}"
          "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;"
          "vertical-align:top}th{background:#f7f7f7}code{font-size:90%;word-break:break-all}"
@@ -17,6 +19,8 @@ REMOVED_ITEMS = (("stays", "ICU stays (stay table)"),
                  ("per_stay_result_rows", "per-stay evaluation result rows"),
                  ("per_stay_memories", "per-stay SV memories (files)"),
                  ("source_rows", "rows of the workspace's own generated source files"))
+# removed items that count the patient's stays (one memory file per stay): small-cell suppressed on the page
+COUNTS_OF_STAYS = ("stays", "per_stay_memories")
 
 
 def _problems(cert: dict) -> list[str]:
@@ -46,13 +50,19 @@ def _status(cert: dict) -> str:
             f"{html.escape(str(cert.get('code_version')))}.</small></p></div>")
 
 
-def _removed(cert: dict) -> str:
+def _shown(n, threshold: int):
+    """A count of stays as a page that may be shared shows it: small ones as "<threshold" (escaped)."""
+    return html.escape(str(shown_count(n, threshold))) if is_small(n, threshold) else n
+
+
+def _removed(cert: dict, threshold: int) -> str:
     removed = cert.get("removed") or {}
     rows = [(f"events from <code>{html.escape(t)}</code>", n)
             for t, n in sorted((removed.get("events_by_table") or {}).items())]
     if not rows:
         rows.append(("events", "0 <small>(the store held no event of this patient)</small>"))
-    rows += [(label, removed.get(key, 0)) for key, label in REMOVED_ITEMS]
+    rows += [(label, _shown(removed.get(key, 0), threshold) if key in COUNTS_OF_STAYS else removed.get(key, 0))
+             for key, label in REMOVED_ITEMS]
     tokens = removed.get("cohort_memory_tokens") or {}
     rows += [(f"tokens of cohort memory checkpoint <code>{html.escape(c)}</code>", n) for c, n in tokens.items()]
     if not tokens:
@@ -99,8 +109,9 @@ def _kept(cert: dict) -> str:
             f"unchanged source does not bring the patient back.</li></ul>")
 
 
-def render_certificate_html(cert: dict, name: str = "") -> str:
-    """The certificate ``cert`` (its JSON, as issued) as one offline HTML page; ``name``: its file name."""
+def render_certificate_html(cert: dict, name: str = "", threshold: int = DEFAULT_THRESHOLD) -> str:
+    """The certificate ``cert`` (its JSON, as issued) as one offline HTML page; ``name``: its file name;
+    ``threshold``: counts of stays below it show as "<threshold" (the cohort config's small-cell threshold)."""
     cid = cert.get("certificate_id")
     path = f"certificates/{name}" if name else f"certificates/{int(cid):06d}.json" if cid is not None else "CERT"
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate {cid}</title>"
@@ -109,7 +120,7 @@ def render_certificate_html(cert: dict, name: str = "") -> str:
             f"{html.escape(str(cert.get('hash')))}: "
             f"<code>{html.escape(str(cert.get('subject_hash')))}</code>. The raw identifier is recorded nowhere in "
             f"this certificate or its ledger.</p>"
-            f"{_removed(cert)}{_memories(cert)}{_kept(cert)}"
+            f"{_removed(cert, threshold)}{_memories(cert)}{_kept(cert)}"
             f"<h2>How to verify</h2><p>From the workspace directory, re-check this certificate and the whole log "
             f"(add <code>--checkpoint FILE</code> with a copy of <code>checkpoint.json</code> you saved earlier to "
             f"check that nothing before it was rewritten or removed):</p><pre>forgetful verify {html.escape(path)}"

@@ -10,6 +10,9 @@ import json
 import math
 from pathlib import Path
 
+from cohorts.endpoints import EXPLORATORY, FAMILIES, endpoint_of
+
+from .disclosure import disclosed
 from .tables import cohort_tables, provenance_section
 
 COLORS = {"sv_certified": "#c0392b", "sv_learned": "#e67e22", "recency": "#2c3e50", "softmax_h2o": "#2980b9",
@@ -113,8 +116,8 @@ def _table(summary, paired, metric):
                 continue
             d = pidx.get((b, p))
             extra = (f"<br><small>SV&minus;this {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-                     f" p={d['p_value']:.3g} (Holm {d['p_holm']:.3g})</small>") if d else ""
-            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}</small>"
+                     f" {_p_text(d)}</small>") if d else ""
+            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={_n(r['n'])}</small>"
                          f"{extra}</td>")
         label = f"{b} events" if b.isdigit() else f"{float(b[1:]):.0%} of stream"
         body.append(f"<tr><th>{label}</th>{''.join(cells)}</tr>")
@@ -122,6 +125,19 @@ def _table(summary, paired, metric):
 
 
 HEADLINE_BUDGET = "32"
+
+
+def _n(count) -> str:
+    """A number of stays as shown: the count, or "<11" where small-cell suppression hid it."""
+    return html.escape(str(count))
+
+
+def _p_text(d: dict) -> str:
+    """A comparison's p-value with its family: Holm-adjusted within a declared family, else exploratory."""
+    family = d.get("family", EXPLORATORY)
+    if family == EXPLORATORY or d.get("p_holm") is None:
+        return f"p={d['p_value']:.3g} (exploratory, unadjusted)"
+    return f"p={d['p_value']:.3g} (Holm {d['p_holm']:.3g}, {html.escape(family)} family)"
 
 
 def _select(rows, **match):
@@ -146,17 +162,20 @@ def _fixed_table(summary, paired):
             r = next(iter(_select(summary, policy=pol, metric=m)), None)
             d = next(iter(_select(paired, baseline=pol, metric=m)), None)
             extra = (f"<br><small>SV&minus;this {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] "
-                     f"p={d['p_value']:.3g} (Holm {d['p_holm']:.3g})</small>") if d else ""
-            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}</small>"
+                     f"{_p_text(d)}</small>") if d else ""
+            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={_n(r['n'])}</small>"
                          f"{extra}</td>" if r else "<td>&ndash;</td>")
         body.append(f"<tr><th>{html.escape(pol)}</th>{''.join(cells)}</tr>")
     return f"<table><tr><th>policy</th>{head}</tr>{''.join(body)}</table>"
 
 
 def _cell(v):
-    """A table cell: a mapping as one 'name: value' per line, a list of mappings as a small table, not a repr."""
+    """A table cell: a mapping as one 'name: value' per line, a list of texts as a list, a list of mappings as a
+    small table; never a repr."""
     if isinstance(v, dict):
         return "<br>".join(f"{html.escape(str(k))}: {_cell(x)}" for k, x in v.items())
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        return "<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in v) + "</ul>"
     if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
         cols = list(v[0])
         head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
@@ -171,8 +190,8 @@ def _fixed_budget(rows):
     k = next(iter(_select(rows, metric="budget_k")), None)
     dropped = next(iter(_select(rows, metric="support_size_boundary")), None)
     kept = (f"budget k = |S &cup; E| of the exact solve: mean {k['mean']:.1f} tokens [{k['ci_low']:.1f}, "
-            f"{k['ci_high']:.1f}] over {k['n']} stays" if k else "no stay scored")
-    return f"<p>{kept}; dropped (k = 0 or k &ge; n): {dropped['n'] if dropped else 0} stays.</p>"
+            f"{k['ci_high']:.1f}] over {_n(k['n'])} stays" if k else "no stay scored")
+    return f"<p>{kept}; dropped (k = 0 or k &ge; n): {_n(dropped['n']) if dropped else 0} stays.</p>"
 
 
 def _cohort_memory(info):
@@ -256,8 +275,46 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
     return "".join(parts)
 
 
-def _headline(summary, paired):
-    """In words: at the headline budget of each protocol and label, which policy keeps most and by how much."""
+def _endpoint_item(d: dict, summary: list, alpha: float, size: int) -> str:
+    """One declared comparison in words: both policies' means, the paired difference and its CI, the p-values,
+    and what they support at the family-wise alpha."""
+    at = {k: d[k] for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
+    sv = next(iter(_select(summary, policy="sv_certified", **at)), None)
+    base = next(iter(_select(summary, policy=d["baseline"], **at)), None)
+    rival = html.escape(d["baseline"])
+    means = f"SV {sv['mean']:.3f} vs {rival} {base['mean']:.3f}; " if sv and base else ""
+    if d["p_holm"] is not None and d["p_holm"] < alpha:
+        verdict = "<b>SV keeps more</b>" if d["mean_diff"] > 0 else f"<b>{rival} keeps more</b>"
+    else:
+        verdict = f"not told apart at family-wise &alpha; = {alpha:g}"
+    return (f"<li><b>{html.escape(endpoint_of(d).describe())}</b>: {means}difference {d['mean_diff']:+.3f} "
+            f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] (paired 95% CI, n={_n(d['n'])} stays); sign-flip "
+            f"p={d['p_value']:.3g}, Holm-adjusted within the {html.escape(d['family'])} family of {size}: "
+            f"p={d['p_holm']:.3g}; Wilcoxon signed-rank p={d.get('p_wilcoxon', float('nan')):.3g}: {verdict}.</li>")
+
+
+def _endpoints(summary: list, paired: list, declared: dict) -> str:
+    """The declared families first, primary then secondary, each comparison in words; a declared comparison
+    this run did not measure is named."""
+    alpha = declared.get("alpha", 0.05)
+    out = []
+    for family in FAMILIES:
+        rows = [d for d in paired if d.get("family") == family]
+        names = declared.get(family) or []
+        measured = {endpoint_of(d).describe() for d in rows}
+        items = [_endpoint_item(d, summary, alpha, len(rows)) for d in rows]
+        items += [f"<li><b>{html.escape(n)}</b>: not measured in this run (its protocol, label or budget was not "
+                  f"scored)</li>" for n in names if n not in measured]
+        if items:
+            out.append(f"<h3>{family.capitalize()} endpoints <small>(declared in the cohort config; Holm within the "
+                       f"family, family-wise &alpha; = {alpha:g})</small></h3><ul>{''.join(items)}</ul>")
+    return "".join(out) or ("<p>The cohort config declares no endpoints: every comparison below is exploratory "
+                            "(unadjusted p).</p>")
+
+
+def _headline(summary, paired, declared: dict):
+    """The declared endpoints in words; then, per protocol and label at its headline budget, which policy keeps
+    most and by how much (exploratory unless the comparison is declared)."""
     items = []
     for (protocol, tokens, keys, label), rows in _headline_rows(summary).items():
         budget = "k" if protocol == "fixed_context" else HEADLINE_BUDGET
@@ -277,23 +334,26 @@ def _headline(summary, paired):
         verdict = "SV keeps most" if best["policy"] == "sv_certified" else \
             f"SV does <b>not</b> win: {html.escape(best['policy'])} keeps most"
         diff = (f"; SV&minus;{html.escape(rival['policy'])} {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, "
-                f"{d['ci_high']:+.3f}], Holm p={d['p_holm']:.3g}") if d else ""
+                f"{d['ci_high']:+.3f}], {_p_text(d)}") if d else ""
         if d and d["ci_low"] <= 0.0 <= d["ci_high"]:
             diff += ": the interval spans 0, so the two are not told apart"
         items.append(f"<li>{text}{verdict}: SV {sv['mean']:.3f}, best other {html.escape(rival['policy'])} "
-                     f"{rival['mean']:.3f}{diff} (n={sv['n']} stays).</li>")
+                     f"{rival['mean']:.3f}{diff} (n={_n(sv['n'])} stays).</li>")
     cert = []
     for m in ("certified_fraction", "certificate_expiry"):
         for r in _select(summary, protocol="streaming", budget=HEADLINE_BUDGET, metric=m):
             cert.append(f"<li>{html.escape(METRIC_TITLES[m])} at B = {HEADLINE_BUDGET} ({html.escape(r['tokens'])} "
                         f"tokens, keys {html.escape(r['keys'])}): {r['mean']:.3f} [{r['ci_low']:.3f}, "
-                        f"{r['ci_high']:.3f}] over {r['n']} stays with evictions</li>")
-    return (f"<section id=\"headline\"><h2>What this run found</h2><ul>{''.join(items)}</ul>"
+                        f"{r['ci_high']:.3f}] over {_n(r['n'])} stays with evictions</li>")
+    return (f"<section id=\"headline\"><h2>What this run found</h2>{_endpoints(summary, paired, declared)}"
+            f"<h3>Exploratory: the policy that keeps most, per protocol and label</h3><ul>{''.join(items)}</ul>"
             f"{_headline_figure(summary)}"
             f"<h3>Certification</h3><ul>{''.join(cert) or '<li>no SV evictions at this budget</li>'}</ul>"
             f"<p><small>Retention = fraction of a stay's labelled tokens kept, averaged over stays with at least "
-            f"one; p-values are two-sided sign-flip tests, Holm-adjusted over every paired comparison in this "
-            f"report.</small></p></section>")
+            f"one. p-values are two-sided sign-flip tests (enough resamples that a declared family's adjusted p "
+            f"is not limited by them), with the Wilcoxon signed-rank test beside them for the declared endpoints; "
+            f"Holm adjusts within each declared family only. Every other p in this report is exploratory and "
+            f"unadjusted: read it as a description, not a finding.</small></p></section>")
 
 
 def _jsonable(o):
@@ -307,6 +367,7 @@ def render_report(result: dict, out_dir: Path | str) -> Path:
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    result = disclosed(result)
     summary, paired = result["summary"], result["paired"]
     sections = []
     for protocol, tokens, keys, label in _groups(summary):
@@ -340,7 +401,7 @@ table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padd
 vertical-align:top}}small{{color:#555}}section{{margin-bottom:2em}}th.group{{background:#f3f3f3}}
 pre{{background:#f7f7f7;padding:.5em;overflow-x:auto}}</style></head>
 <body><h1>Forgetful: retention vs. memory budget</h1>
-{_headline(summary, paired)}
+{_headline(summary, paired, result["metadata"].get("declared_endpoints") or {})}
 {_cohort_memory(result["metadata"].get("cohort_memory"))}
 <p>Fixed context (the paper's protocol): per stay, the exact solve over all its tokens sets the budget
 k = |S &cup; E| and every policy keeps k. Streaming: each evaluation stay's tokens in time order through each policy

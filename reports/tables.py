@@ -4,10 +4,14 @@ import html
 from cohorts.characteristics import CohortTable, Count, Spread
 from cohorts.provenance import Provenance
 
+from .disclosure import Hidden
+
 SPLIT_TITLES = {"all": "all stays", "train": "training split", "eval": "evaluation split (scored)"}
 
 
 def _fmt(cell) -> str:
+    if isinstance(cell, Hidden):
+        return f"{html.escape(cell.n)} <small>(small cell)</small>"
     if isinstance(cell, Count):
         return f"{cell.n:,}" + (f" ({cell.n / cell.of:.0%})" if cell.of else "")
     if isinstance(cell, Spread):

@@ -51,18 +51,20 @@ def test_table_one_by_split(tmp_path):
     t = describe(tmp_path)
     rows = {(r.group, r.name): r.cells for r in t.rows}
     assert rows[("", "ICU stays")] == (Count(3), Count(2), Count(1))
-    assert rows[("", "patients")] == (Count(2), Count(1), Count(1))
+    assert rows[("", "patients")] == (Count(2, unit="patients"), Count(1, unit="patients"), Count(1, unit="patients"))
     assert rows[("", "female")] == (Count(2, 3), Count(2, 2), Count(0, 1))
     assert rows[("", "ICU mortality")] == (Count(1, 3), Count(0, 2), Count(1, 1))
     assert rows[("", "ICU length of stay, days")][0] == Spread(2.0, 1.5, 2.5, 3)
     assert rows[("", "age, years")][1] == Spread(61.0, 60.5, 61.5, 2)
     assert rows[("first care unit", "MICU")] == (Count(2, 3), Count(1, 2), Count(1, 1))
-    assert rows[("", "hourly tokens")] == (Count(6), Count(4), Count(2))
-    assert rows[("labelled tokens (% of tokens)", "composite")] == (Count(1, 6), Count(1, 4), Count(0, 2))
+    assert rows[("", "hourly tokens")] == (Count(6, unit="tokens"), Count(4, unit="tokens"), Count(2, unit="tokens"))
+    assert rows[("labelled tokens (% of tokens)", "composite")] == (Count(1, 6, "tokens"), Count(1, 4, "tokens"),
+                                                                     Count(0, 2, "tokens"))
     assert rows[("stays with a labelled token (% of stays with tokens)", "composite")] == \
         (Count(1, 2), Count(1, 1), Count(0, 1))
     crit = {(r.group, r.name): r.cells for r in t.criteria}
-    assert crit[("low_map", "hours in which it fires")] == (Count(2), Count(2), Count(0))   # hours 1 and 2
+    assert crit[("low_map", "hours in which it fires")] == (Count(2, unit="hours"), Count(2, unit="hours"),
+                                                           Count(0, unit="hours"))   # hours 1 and 2
     assert crit[("low_map", "stays (% of stays)")] == (Count(1, 3), Count(1, 2), Count(0, 1))
     assert crit[("icu_death", "stays (% of stays)")] == (Count(1, 3), Count(0, 2), Count(1, 1))
     assert t.quarantine == {"negative_value": 2, "outside_stay": 1}
@@ -90,6 +92,8 @@ def test_report_shows_the_cohort_and_provenance_and_keeps_them_in_its_json(tmp_p
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "manifest.json").write_text(json.dumps({"files": {}, "runs": []}))
     result["provenance"] = provenance(tmp_path / "store", tmp_path, "hand-built")
+    assert "2 (67%)" not in render_report(result, tmp_path / "shared").read_text()    # a small cell: hidden
+    result["metadata"]["small_cell_threshold"] = 1                                      # shows every count
     text = render_report(result, tmp_path / "out").read_text()
     assert '<section id="cohort">' in text and '<section id="provenance">' in text
     assert "2 (67%)" in text                      # female, all stays
