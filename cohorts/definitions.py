@@ -19,7 +19,18 @@ DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
 
 
 def load_config(path: Path | None = None) -> dict | None:
-    cfg = yaml.safe_load(Path(path or DEFAULT_CONFIG).read_text())
+    where = Path(path or DEFAULT_CONFIG)
+    try:
+        cfg = yaml.safe_load(where.read_text())
+    except OSError as e:
+        raise CohortConfigError(f"cohort config {where} cannot be read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise CohortConfigError(f"cohort config {where} is not valid YAML{at}: "
+                                f"{getattr(e, 'problem', None) or e}") from None
+    if not isinstance(cfg, dict):
+        raise CohortConfigError(f"cohort config {where} is not a YAML mapping of sections")
     for section, keys in (("cohort", ("min_age", "min_stay_hours")), ("deterioration", ("criteria",)),
                           ("rare_items", ("quantile",)), ("split", ("eval_fraction", "salt"))):
         for k in keys:

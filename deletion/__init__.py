@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pipeline.evidence import load_signing_key, read_log
+from pipeline.evidence import (SIGNING_KEY_ENV, TrustAnchor, load_signing_key, public_hex, read_log,
+                               signer_problems)
 from pipeline.locking import workspace_lock
 from pipeline.privacy import keyed_hash, store_key
 from pipeline.transaction import Transaction, _crash_point, recover
@@ -70,9 +71,10 @@ def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait
         subject_hash = keyed_hash(sid, store_key(ws.store, ws.root))
         _, stay_files = check_subject(ws, sid)
         log, signing_key = read_log(ws.root), load_signing_key(ws.root)
-        if log.problems:
+        problems = log.problems + signer_problems(log, None, TrustAnchor(public_hex(signing_key), SIGNING_KEY_ENV))
+        if problems:
             raise DeletionFailed(f"the deletion log fails verification, so nothing is appended to it: "
-                                 f"{'; '.join(log.problems)}")
+                                 f"{'; '.join(problems)}")
         txn = Transaction(ws.root)
         try:
             cert, name = _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key,

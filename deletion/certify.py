@@ -10,6 +10,8 @@ from cohorts.provenance import code_version
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
 from reports.certificate_page import render_certificate_html
 
+from .plan import DeletionFailed
+
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -59,6 +61,10 @@ def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed
     """Stage the certificate, its page, its receipt, its log entry and the newly signed checkpoint; mark the
     reports stale naming it. Returns the certificate's file name."""
     name = f"{log.size:06d}.json"
+    if (ws.certificates / name).exists() or receipt_path(ws.certificates / name).exists():
+        # never overwrite another patient's certificate (read_log names a rolled-back log before this)
+        raise DeletionFailed(f"certificate {name} exists already but the log has {log.size} entries: the log was "
+                             f"rolled back; nothing is appended")
     threshold = small_cell_threshold(workspace_config(ws.root))
     text, page = canonical(cert), render_certificate_html(cert, name, threshold)
     line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)

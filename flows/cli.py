@@ -85,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("certificate", help="path of a certificate (WS/certificates/NNNNNN.json)")
     ve.add_argument("--checkpoint", default=None,
                     help="a signed checkpoint saved earlier (a copy of WS/checkpoint.json): the log must extend it "
-                         "(catches truncation or rewriting before it)")
+                         "(catches truncation or rewriting before it); its key is trusted when no other is given")
+    ve.add_argument("--public-key", default=None,
+                    help="the log signer's Ed25519 public key (hex, or a file outside the workspace holding it; as "
+                         "`keygen --signing` prints it); default: $FORGETFUL_LOG_PUBLIC_KEY, else the public half of "
+                         "$FORGETFUL_SIGNING_KEY_FILE, else the --checkpoint copy's key")
     kg = sub.add_parser("keygen", help="write a new key to a file (keep it outside every workspace)",
                         formatter_class=fmt)
     kg.add_argument("path", help="the key file to create (never overwritten)")
@@ -143,11 +147,15 @@ def _workspace_root(args):
 
 
 def _keygen(args):
-    from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key
+    from pipeline.evidence import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, public_hex, write_signing_key
     from pipeline.privacy import KEY_FILE_ENV, write_new_key
     path, env = (write_signing_key(args.path), SIGNING_KEY_ENV) if args.signing else \
         (write_new_key(args.path), KEY_FILE_ENV)
     print(f"wrote a new key to {path}; use it with: export {env}={path}")
+    if args.signing:
+        from cryptography.hazmat.primitives import serialization
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+        print(f"its public key, for auditors to pin (verify --public-key, or {PUBLIC_KEY_ENV}): {public_hex(key)}")
     return 0
 
 
@@ -172,14 +180,19 @@ def _extract(args):
 
 
 def _verify(args):
-    from pipeline.evidence import verify_certificate
-    problems = verify_certificate(args.certificate, args.checkpoint)
+    from pipeline.evidence import read_saved_checkpoint, trust_anchor, verify_certificate
+    root = Path(args.certificate).resolve().parent.parent
+    saved = read_saved_checkpoint(args.checkpoint) if args.checkpoint else None
+    anchor = trust_anchor(root, args.public_key, saved)
+    problems = verify_certificate(args.certificate, args.checkpoint, anchor)
     for p in problems:
         print(f"FAILED: {p}")
     if problems:
         return 1
-    print(f"ok: {args.certificate}, its inclusion proof and the signed log verify"
-          + (f", and the log extends {args.checkpoint}" if args.checkpoint else ""))
+    print(f"ok: {args.certificate}, its inclusion proof and the log's entries verify; the log is signed by the "
+          f"trusted key {anchor.public_key[:16]}... (from {anchor.source})"
+          + (f", and it extends {args.checkpoint}" if args.checkpoint else
+             "; without --checkpoint, a truncation signed by the same key is not excluded"))
     return 0
 
 
@@ -213,7 +226,18 @@ def _scheduled(args):
     return 0
 
 
+def _check_out(args) -> None:
+    """--out must be a folder (or not exist yet): one line, before a server starts or a lock is taken."""
+    out = getattr(args, "out", None)
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder (the {'store' if args.cmd == 'extract' else 'workspace'}"
+                         f" is a folder)")
+    if args.cmd == "extract" and Path(out).resolve().parent.exists() and not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"--out {out}: its parent is a file, not a folder")
+
+
 def _run(args):
+    _check_out(args)
     root = _workspace_root(args)
     if root is not None and root.exists():
         from pipeline.transaction import settle

@@ -31,6 +31,9 @@ from pymerkle.proof import InvalidProof
 from .privacy import write_secret_file
 
 SIGNING_KEY_ENV = "FORGETFUL_SIGNING_KEY_FILE"
+# The log signer's public key pinned outside the workspace: hex, or a file holding the hex (what
+# `forgetful keygen --signing` prints), for auditors who do not hold the private key.
+PUBLIC_KEY_ENV = "FORGETFUL_LOG_PUBLIC_KEY"
 LEDGER, CHECKPOINT = "ledger.jsonl", "checkpoint.json"
 LOG_ID = "forgetful deletion log v2"
 
@@ -89,6 +92,47 @@ def public_hex(key: Ed25519PrivateKey) -> str:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
+@dataclass(frozen=True)
+class TrustAnchor:
+    """The public key a verification holds the log's signatures to, and where it came from (never the
+    workspace: whoever rewrites a log can put any key there)."""
+    public_key: str
+    source: str
+
+
+def _public_key_text(value: str, workspace: Path, what: str) -> str:
+    """A hex public key given as itself or as a file outside ``workspace`` holding it."""
+    text = value.strip()
+    path = Path(text).expanduser()
+    if len(text) != 64 or not all(c in "0123456789abcdef" for c in text.lower()):
+        if not path.is_file():
+            raise EvidenceError(f"{what} {value!r} is neither a hex Ed25519 public key nor a readable file")
+        if path.resolve().is_relative_to(Path(workspace).resolve()):
+            raise EvidenceError(f"{what} {path} lies inside the workspace it is to check: keep it outside")
+        text = path.read_text().strip()
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(text))
+    except ValueError:
+        raise EvidenceError(f"{what} {value!r} does not hold a hex Ed25519 public key") from None
+    return text.lower()
+
+
+def trust_anchor(workspace: Path, public_key: str | None = None,
+                 saved_checkpoint: dict | None = None) -> TrustAnchor | None:
+    """The signer's public key from outside the workspace: ``public_key`` (hex or a file), else
+    $FORGETFUL_LOG_PUBLIC_KEY, else the public half of $FORGETFUL_SIGNING_KEY_FILE, else the key of an auditor's
+    saved checkpoint; None when there is none."""
+    if public_key:
+        return TrustAnchor(_public_key_text(public_key, workspace, "--public-key"), "--public-key")
+    if os.environ.get(PUBLIC_KEY_ENV):
+        return TrustAnchor(_public_key_text(os.environ[PUBLIC_KEY_ENV], workspace, PUBLIC_KEY_ENV), PUBLIC_KEY_ENV)
+    if os.environ.get(SIGNING_KEY_ENV):
+        return TrustAnchor(public_hex(load_signing_key(workspace)), f"the public half of ${SIGNING_KEY_ENV}")
+    if saved_checkpoint and saved_checkpoint.get("public_key"):
+        return TrustAnchor(str(saved_checkpoint["public_key"]), "the saved checkpoint")
+    return None
+
+
 # -- the log ---------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -143,8 +187,27 @@ def read_log(root: Path) -> Log:
         entries.append(e)
         texts.append(line)
     log = Log(root, entries, _tree(texts), problems)
-    problems += _check_checkpoint(log)
+    problems += _check_checkpoint(log) + _evidence_of_a_longer_log(log)
     return log
+
+
+def _evidence_of_a_longer_log(log: Log) -> list:
+    """Certificates or receipts the log does not account for: the log was rolled back (an older copy of it
+    restored) or entries were dropped. Appending then would reuse a certificate's number."""
+    listed = {e.get("certificate") for e in log.entries}
+    certs = log.root / "certificates"
+    problems = [f"certificate {f.name} is in the workspace but not in the log ({log.size} entries): the log was "
+                f"rolled back or an entry dropped" for f in sorted(certs.glob("[0-9]*.json")) if f.name not in listed]
+    for r in sorted((certs / "proofs").glob("[0-9]*.json")):
+        try:
+            size = int(json.loads(r.read_text())["checkpoint"]["size"])
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"receipt proofs/{r.name} cannot be read")
+            continue
+        if size > log.size:
+            problems.append(f"receipt proofs/{r.name} was signed for a log of {size} entries, longer than the "
+                            f"log's {log.size}: the log was rolled back")
+    return problems
 
 
 def _signed(payload: dict, key: Ed25519PrivateKey) -> dict:
@@ -206,12 +269,45 @@ def new_entry(log: Log, cert_name: str, cert_text: str, page_text: str, key: Ed2
     return line, canonical(checkpoint), canonical(receipt)
 
 
-def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None) -> list:
+def read_saved_checkpoint(path: Path) -> dict:
+    """An auditor's saved copy of a signed checkpoint; one clear error naming the file when it is missing or
+    not a checkpoint."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise EvidenceError(f"saved checkpoint {path} cannot be read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise EvidenceError(f"saved checkpoint {path} is not JSON (expected a copy of WS/checkpoint.json)") from None
+    if not isinstance(saved, dict) or not {"size", "root", "public_key", "signature"} <= set(saved):
+        raise EvidenceError(f"saved checkpoint {path} is not a signed checkpoint (size, root, public_key, signature)")
+    return saved
+
+
+def signer_problems(log: Log, receipt: dict | None, anchor: TrustAnchor | None) -> list:
+    """The log's checkpoint and the receipt's must be signed by the anchor's key."""
+    if anchor is None:
+        return [f"no trusted public key to check who signed the log: pass --public-key (or set {PUBLIC_KEY_ENV}, "
+                f"or {SIGNING_KEY_ENV} where the signing key is held) or --checkpoint with a copy saved earlier; "
+                f"the key stored in the workspace proves nothing, since whoever rewrites the log can replace it"]
+    problems = []
+    current = log.root / CHECKPOINT
+    if current.exists() and json.loads(current.read_text()).get("public_key") != anchor.public_key:
+        problems.append(f"the log's checkpoint is signed by another key than the trusted one ({anchor.source})")
+    if receipt and receipt.get("checkpoint", {}).get("public_key") != anchor.public_key:
+        problems.append(f"the certificate's receipt is signed by another key than the trusted one ({anchor.source})")
+    return problems
+
+
+def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None,
+                       anchor: TrustAnchor | None = None) -> list:
     """Problems with one certificate and the whole log ([] = verified): every entry against its files, the
-    signed checkpoint, the certificate's inclusion proof, and the consistency of its receipt's (and of an
-    auditor's ``saved_checkpoint`` file's) tree with today's log."""
+    signed checkpoint, its signer against the trusted key ``anchor`` (default: :func:`trust_anchor`), the
+    certificate's inclusion proof, and the consistency of its receipt's (and of an auditor's
+    ``saved_checkpoint`` file's) tree with today's log."""
     cert_path = Path(cert_path)
     log = read_log(cert_path.parent.parent)
+    saved = read_saved_checkpoint(saved_checkpoint) if saved_checkpoint is not None else None
+    anchor = anchor or trust_anchor(log.root, saved_checkpoint=saved)
     problems = list(log.problems)
     if not cert_path.is_file():
         return problems + [f"certificate {cert_path} does not exist"]
@@ -219,10 +315,11 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None) ->
     if not mine:
         problems.append(f"certificate {cert_path.name} is not in the log")
     rp = receipt_path(cert_path)
-    if not rp.is_file():
+    receipt = json.loads(rp.read_text()) if rp.is_file() else None
+    problems += signer_problems(log, receipt, anchor)
+    if receipt is None:
         problems.append(f"the inclusion proof of {cert_path.name} (proofs/{rp.name}) is missing")
     elif mine:
-        receipt = json.loads(rp.read_text())
         problems += check_consistency(log, receipt["checkpoint"], f"the checkpoint in proofs/{rp.name}")
         leaf = log.tree.get_leaf(log.entries.index(mine[0]) + 1)
         try:
@@ -230,8 +327,7 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None) ->
                              InclusionProof.deserialize(receipt["proof"]))
         except (InvalidProof, ValueError, KeyError):
             problems.append(f"the inclusion proof of {cert_path.name} does not verify")
-    if saved_checkpoint is not None:
-        saved = json.loads(Path(saved_checkpoint).read_text())
+    if saved is not None:
         problems += check_consistency(log, saved, f"the saved checkpoint {saved_checkpoint}")
         current = log.root / CHECKPOINT
         if current.exists() and json.loads(current.read_text()).get("public_key") != saved.get("public_key"):

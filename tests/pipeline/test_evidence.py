@@ -77,6 +77,9 @@ def test_truncation_is_caught_by_the_checkpoint_or_the_auditor_copy(signed, tmp_
     for f in ws.glob("certificates/000003*"):
         f.unlink()
     assert any("does not match its signed checkpoint" in p for p in verify_certificate(cert(ws, 2)))
+    # the receipt left behind was signed for a longer log
+    assert any("rolled back" in p for p in verify_certificate(cert(ws, 2)))
+    receipt_path(cert(ws, 3)).unlink()
     # the attacker also puts back the checkpoint signed when the log had 3 entries
     old = json.loads(receipt_path(cert(ws, 2)).read_text())["checkpoint"]
     (ws / CHECKPOINT).write_text(canonical(old))
