@@ -197,14 +197,19 @@ def _verify(args):
 
 
 def _delete(args):
-    from flows.prefect_flows import delete_patient, shared_api_server
+    from flows.prefect_flows import delete_patient, refusal_reason, shared_api_server
     from pipeline.privacy import keyed_hash, store_key
     from pipeline.workspace import Workspace
     ws = Workspace(args.out)
     # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
     subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
     with shared_api_server():
-        out = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait)
+        state = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait, return_state=True)
+    reason = refusal_reason(state)
+    if reason is not None:
+        print(f"forgetful: error: {reason}", file=sys.stderr)
+        return 2
+    out = state.result()
     print(f"certificate: {out['certificate']}" if "certificate" in out else
           f"forgetful: nothing to do: {out['already_deleted']}")
     return 0

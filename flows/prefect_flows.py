@@ -6,6 +6,8 @@ persisted (``persist_result=False``); only the report rendering is cached, by it
 """
 import fcntl
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
+from prefect.states import Failed
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from prefect.tasks import Task
@@ -28,11 +31,11 @@ from cohorts.provenance import Provenance, provenance
 from cohorts.runs import (HEADLINE_BUDGET, TOKEN_MODES, prepare_token_run, run_metadata, run_statistics, save_results,
                           score_pending, train_key_encoder, write_phases, update_cohort_memory, workspace_event_streams)
 from cohorts.token_run import ScoringPlan, StayIndex
-from deletion import AlreadyDeleted, delete_subject, resolve_subject
+from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject
 from pipeline import progress
-from pipeline.extract import ExtractionError, extract
+from pipeline.extract import ExtractionError, UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.locking import workspace_lock
+from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.meds import MedsStayCodes
 from pipeline.privacy import load_key
 from pipeline.transaction import recover
@@ -67,6 +70,10 @@ def shared_api_server() -> Iterator[None]:
     with open(home / ".forgetful-server-start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         server.start()
+    # the server must end with this command even when its exit hook never runs (a kill)
+    subprocess.Popen([sys.executable, "-m", "flows.server_watch", str(os.getpid()), str(server.server_process.pid)],
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):
@@ -293,6 +300,17 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None,
     return {"report": path, "result": result}
 
 
+# What a deletion refuses with a reason the user acts on: the flow ends Failed with it as the state's message.
+REFUSALS = (WorkspaceLocked, DeletionFailed, UnknownSubjectError)
+REFUSAL_PREFIX = "refused: "
+
+
+def refusal_reason(state: State) -> str | None:
+    """The one-line reason of a deletion flow run that ended refused; None for any other outcome."""
+    message = state.message or ""
+    return message[len(REFUSAL_PREFIX):] if state.is_failed() and message.startswith(REFUSAL_PREFIX) else None
+
+
 @flow(name="forgetful-delete-patient")
 def delete_patient(root: str | Path, subject_hash: str, mode: str = "decrement",
                    wait_seconds: float = 60.0) -> dict | None:
@@ -300,13 +318,16 @@ def delete_patient(root: str | Path, subject_hash: str, mode: str = "decrement",
     workspace's key): Prefect's database, logs and results see the hash, never the raw id.
 
     Returns {"certificate": path}, or {"already_deleted": message}: deleting twice is an expected outcome
-    (the flow run completes), not a failure."""
+    (the flow run completes), not a failure. A refusal (the workspace is held by a run, a check failed, an
+    unknown subject) is a Failed state carrying its one-line reason, not an exception's traceback."""
     ws = Workspace(root)
     try:
         cert, path = delete_subject(ws, resolve_subject(ws, subject_hash), mode=mode, wait_seconds=wait_seconds)
     except AlreadyDeleted as e:
         get_run_logger().info("nothing to do: %s", e)
         return {"already_deleted": str(e)}
+    except REFUSALS as e:
+        return Failed(message=f"{REFUSAL_PREFIX}{e}")
     get_run_logger().info("deletion certificate %s issued (mode %s)", Path(path).name, mode)
     create_markdown_artifact(key="forgetful-deletion", markdown=f"Certificate `{Path(path).name}` (subject hash "
                              f"`{cert['subject_hash'][:16]}...`, mode {mode}).")

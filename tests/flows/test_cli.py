@@ -1,12 +1,20 @@
 """The command line: fast help, one-line errors with exit 2 and no server, version and defaults."""
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
+import psutil
 import pytest
 
 from flows.cli import build_parser, main
+from pipeline.extract import extract
+from pipeline.generate import GeneratorConfig, generate
+from pipeline.locking import workspace_lock
+from pipeline.privacy import load_key
+from pipeline.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,3 +98,37 @@ def test_commands_started_together_on_a_fresh_prefect_home_all_start(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 6, "\n".join(o[-1500:] for o in outs)
     assert not any("OperationalError" in o for o in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_temporary_prefect_server_ends_with_a_killed_command(tmp_path, sig):
+    """14 of 29 killed commands used to leave their temporary server running: its exit hook never ran."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    code = ("import time\nfrom flows.prefect_flows import shared_api_server\n"
+            "with shared_api_server():\n    print('up', flush=True)\n    time.sleep(600)\n")
+    cmd = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert cmd.stdout.readline().strip() == "up"
+    servers = [p for p in psutil.Process(cmd.pid).children(recursive=True) if "uvicorn" in " ".join(p.cmdline())]
+    assert len(servers) == 1
+    cmd.send_signal(sig)
+    cmd.wait(timeout=30)
+    gone, alive = psutil.wait_procs(servers, timeout=20)
+    assert alive == [], f"the server (pid {servers[0].pid}) outlived the command"
+
+
+@pytest.mark.slow
+def test_a_delete_refused_by_the_lock_inside_the_flow_is_one_line(tmp_path):
+    ws = Workspace(tmp_path / "ws")
+    generate(ws.source, GeneratorConfig(n_patients=4, seed=2))
+    extract(ws.source, ws.store, key=load_key(ws.root))
+    sid = str(pl.read_parquet(ws.store / "stays.parquet")["subject_id"][0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    with workspace_lock(ws.root, purpose="a scheduled run"):
+        p = subprocess.run([sys.executable, "-m", "flows.cli", "delete", "--out", str(ws.root), "--subject-id", sid,
+                            "--wait", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "locked" in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
