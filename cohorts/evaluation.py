@@ -286,11 +286,11 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
         frame = pl.DataFrame(long_rows(rows), infer_schema_length=None).lazy() if rows else None
     if frame is None:
         return [], []
-    grouped = (frame.select(*GROUP, "stay_id", "value").with_columns(pl.col(g).cast(pl.String) for g in GROUP)
-               .group_by(GROUP).agg(pl.col("stay_id").sort_by("stay_id"), pl.col("value").sort_by("stay_id"))
-               .collect())
-    by = {tuple(r[:len(GROUP)]): (np.asarray(r[-2], dtype=np.int64), np.asarray(r[-1], dtype=np.float64))
-          for r in grouped.iter_rows()}
+    # a results file names stays by keyed reference; rows fresh from scoring by id
+    stay = "stay_ref" if "stay_ref" in frame.collect_schema().names() else "stay_id"
+    grouped = (frame.select(*GROUP, stay, "value").with_columns(pl.col(g).cast(pl.String) for g in GROUP)
+               .group_by(GROUP).agg(pl.col(stay).sort_by(stay), pl.col("value").sort_by(stay)).collect())
+    by = {tuple(r[:len(GROUP)]): (np.asarray(r[-2]), np.asarray(r[-1], dtype=np.float64)) for r in grouped.iter_rows()}
     summary, paired = [], []
     for group, (stays, v) in sorted(by.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         fields = dict(zip(GROUP, group))

@@ -22,7 +22,7 @@ from pipeline import progress
 from pipeline.extract import scan_events
 from pipeline.keys import EventKeyer
 from pipeline.meds import atomic_write_text, subject_splits_path, write_label_file, write_subject_splits
-from pipeline.privacy import store_key, subject_ref
+from pipeline.privacy import id_refs, store_key
 
 from .characteristics import death_stays, describe_cohort, token_counts
 from .definitions import (build_cohort, deterioration_hours, is_eval_subject, small_cell_threshold, stay_events,
@@ -32,7 +32,7 @@ from .endpoints import endpoints_from_config
 from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
 from .provenance import code_version
-from .streams import cohort_stream, evaluation_streams
+from .streams import cohort_stream, evaluation_streams, hour_token_names
 from .stay_chunks import code_digest
 from .token_run import (OrderedTokens, ScoringPlan, StayIndex, fit_scaling, label_run,
                         pending_streams, stay_facts, store_scores, write_results)
@@ -146,16 +146,16 @@ def _token_rows(ws, cfg, scaler):
     if scaler is None:
         names = [c.name for c in channels_from_config(cfg)]
         scaler = declared_scaling(cfg, names) or fit_scaling(ws, index, names)
-    owner = owner_refs(store_key(ws.store, ws.root))
+    names = hour_token_names(store_key(ws.store, ws.root))
 
     def history(upto):
         total = 0
-        for b in OrderedTokens(ws, index, cfg, scaler, owner, upto=upto).batches():
+        for b in OrderedTokens(ws, index, cfg, scaler, names, upto=upto).batches():
             total += sum(row_hash(o, k) for o, k in zip(b.order_keys, b.keys))
         return total % DIGEST_MOD
 
     def feed(mem, on_fed):
-        todo = OrderedTokens(ws, index, cfg, scaler, owner, after=mem.watermark)
+        todo = OrderedTokens(ws, index, cfg, scaler, names, after=mem.watermark)
         if on_fed is not None:
             on_fed.set_total(todo.count())
         for b in todo.batches(FEED_BLOCK):
@@ -163,17 +163,6 @@ def _token_rows(ws, cfg, scaler):
             if on_fed is not None:
                 on_fed(len(b.order_keys))
     return scaler, history, feed
-
-
-def owner_refs(key: bytes) -> Callable:
-    """subject_id -> its keyed hash, computed once per subject."""
-    cache = {}
-
-    def ref(s):
-        if s not in cache:
-            cache[s] = subject_ref(s, key)
-        return cache[s]
-    return ref
 
 
 def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 128, tokens: str = "hourly",
@@ -350,9 +339,10 @@ def write_phases(ws: Workspace, since: float) -> Path:
 
 
 def save_results(ws: Workspace, rows: list) -> Path:
-    """The per-stay result rows of a run (patient-level: they stay in the workspace)."""
+    """The per-stay result rows of a run (patient-level: they stay in the workspace, naming stays and patients
+    by keyed reference only)."""
     ws.results.parent.mkdir(parents=True, exist_ok=True)
-    pl.DataFrame(rows).write_parquet(ws.results)
+    id_refs(pl.DataFrame(rows), store_key(ws.store, ws.root)).write_parquet(ws.results)
     return ws.results
 
 

@@ -10,7 +10,7 @@ from memory.cohort import token_id
 from pipeline.extract import scan_events_in
 from pipeline.keys import EventKeyer
 from pipeline.meds import shard_of
-from pipeline.privacy import subject_ref
+from pipeline.privacy import stay_ref, subject_ref
 
 from .characteristics import death_stays, describe_cohort
 from .definitions import build_cohort, deterioration_hours, label_events, stay_events
@@ -19,6 +19,7 @@ from .evaluation import EventStream
 from .tokens import build_tokens
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     from cohorts.tokens import TokenScaling
@@ -95,6 +96,20 @@ def cohort_event_stream(store: Path, cfg: dict, key: bytes, keyer: EventKeyer | 
     return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()
 
 
+def hour_token_names(key: bytes) -> Callable:
+    """(subject_id, stay_id, hour) -> the hourly token's id in the cohort memory: its owner's and its stay's
+    keyed references and the hour, each reference computed once."""
+    owners, stays = {}, {}
+
+    def name(subject_id, stay_id, hour):
+        if subject_id not in owners:
+            owners[subject_id] = subject_ref(subject_id, key)
+        if stay_id not in stays:
+            stays[stay_id] = stay_ref(stay_id, key)
+        return token_id(owners[subject_id], f"{stays[stay_id]}-h{int(hour)}", 0)
+    return name
+
+
 def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScaling | None = None,
                         subject_id: int | None = None) -> tuple:
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
@@ -114,8 +129,8 @@ def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScalin
     tie = pl.col("event_hash").list.min().min().over("stay_id")
     order = pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + tie
     tok = tok.with_columns(order.alias("order_key")).sort("order_key")
-    owner = _owners(tok["subject_id"].to_list(), key)
-    ids = [token_id(owner[s], f"{st}-h{h}", 0) for s, st, h in zip(tok["subject_id"], tok["stay_id"], tok["hour"])]
+    names = hour_token_names(key)
+    ids = [names(s, st, h) for s, st, h in zip(tok["subject_id"], tok["stay_id"], tok["hour"])]
     return table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(), tok["subject_id"].to_numpy()
 
 

@@ -28,11 +28,10 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from memory.cohort import token_id
 from pipeline.extract import store_codes
 from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import LabelFiles, shard_of
-from pipeline.privacy import keyed_hash, store_key
+from pipeline.privacy import id_refs, keyed_hash, store_key
 
 from .characteristics import death_stays, describe_cohort
 from .definitions import CohortConfigError, build_cohort, deterioration_hours, rare_from_counts
@@ -457,13 +456,15 @@ def store_scores(ws: Workspace, streams: list[TokenStream], rows: list[dict]) ->
             cache.append(int(shard), [part])
 
 
-RESULT_COLUMNS = ["stay_id", "subject_id", "protocol", "tokens", "keys", "label", "budget", "policy", "metric", "value"]
+# a stay and its patient by keyed reference (pipeline.privacy.id_refs), never by id
+RESULT_COLUMNS = ["stay_ref", "subject_ref", "protocol", "tokens", "keys", "label", "budget", "policy", "metric",
+                  "value"]
 
 
 def write_results(ws: Workspace, index: StayIndex) -> Path:
     """The run's per-stay result rows (patient-level: they stay in the workspace), shard by shard from the
     score cache, which is compacted to the evaluation stays' current keys on the way."""
-    cache = StayCache(ws.root, "scores")
+    cache, secret = StayCache(ws.root, "scores"), store_key(ws.store, ws.root)
     target = ws.results
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
@@ -475,8 +476,8 @@ def write_results(ws: Workspace, index: StayIndex) -> Path:
         part = cache.read(shard, wanted)
         if part is None or part.height == 0:
             continue
-        part = (part.join(rows.select(pl.col("score_key").alias("key"), "stay_id", "subject_id"), on="key")
-                .select(RESULT_COLUMNS).sort("stay_id", maintain_order=True))
+        part = id_refs(part.join(rows.select(pl.col("score_key").alias("key"), "stay_id", "subject_id"), on="key"),
+                       secret).select(RESULT_COLUMNS).sort("stay_ref", maintain_order=True)
         table = part.to_arrow()
         if writer is None:
             writer = pq.ParquetWriter(tmp, table.schema)
@@ -501,13 +502,13 @@ class CohortBatch:
 class OrderedTokens:
     """The cohort's cached tokens ordered by order key (the bin's start, then the stay's smallest event hash),
     those after ``after`` (and at or before ``upto``), without ``exclude_subject``'s. DuckDB sorts out of core,
-    so :meth:`batches` holds one block whatever the cohort's size. ``owner(subject_id)``: the opaque owner
-    reference of a token id."""
+    so :meth:`batches` holds one block whatever the cohort's size. ``name(subject_id, stay_id, hour)``: a
+    token's id (keyed references, no identifier)."""
 
-    def __init__(self, ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, owner: Callable,
+    def __init__(self, ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, name: Callable,
                  after: str = "", upto: str | None = None, exclude_subject: int | None = None):
         self.parts = sorted(StayCache(ws.root, "tokens").dir.glob("*/*.parquet"))
-        self.scaling, self.owner = scaling, owner
+        self.scaling, self.name = scaling, name
         self.cohort = index.cohort.select("key", "stay_id", "subject_id", "intime").to_arrow()
         files = "[" + ", ".join(map(sql_literal, self.parts)) + "]"
         secs = int(3600 * bin_hours(cfg))
@@ -547,8 +548,7 @@ class OrderedTokens:
             for batch in con.sql(f"{self.rows} ORDER BY order_key", params=self.params).to_arrow_reader(batch_rows):
                 frame = self.scaling.impute(pl.from_arrow(batch))
                 subjects = frame["subject_id"].to_numpy()
-                ids = [token_id(self.owner(int(s)), f"{st}-h{h}", 0)
-                       for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])]
+                ids = [self.name(int(s), st, h) for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])]
                 yield CohortBatch(self.scaling.keys(frame), ids, frame["order_key"].to_list(), subjects)
         finally:
             con.close()

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cohorts.definitions import workspace_config
-from cohorts.runs import FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler, owner_refs
-from cohorts.streams import cohort_stream
+from cohorts.runs import FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler
+from cohorts.streams import cohort_stream, hour_token_names
 from cohorts.token_run import OrderedTokens, stay_facts
 from memory.cohort import CohortMemory
 from memory.errors import InfeasibleError
@@ -88,10 +88,10 @@ def _others_feed(ws, tokens, scaler, sid):
     _, _, _, own, _ = cohort_stream(ws.store, cfg, tokens, key, scaler=scaler, subject_id=sid)
     first = min(own) if own else None
     if tokens == "hourly":
-        index, owner = stay_facts(ws, cfg), owner_refs(key)
+        index, names = stay_facts(ws, cfg), hour_token_names(key)
 
         def feed(mem, upto):
-            for b in OrderedTokens(ws, index, cfg, scaler, owner, after=mem.watermark, upto=upto,
+            for b in OrderedTokens(ws, index, cfg, scaler, names, after=mem.watermark, upto=upto,
                                    exclude_subject=sid).batches(FEED_BLOCK):
                 mem.feed(b.keys, b.token_ids, b.order_keys)
         return first, feed

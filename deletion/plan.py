@@ -48,8 +48,7 @@ def scan_subject(ws: Workspace, subject_id: int) -> tuple:
         stays = pl.read_parquet(stays_file).filter(pl.col("subject_id") == sid)
         stay_ids = stays["stay_id"].to_list()
         found["stays"] = stays.height
-    found["per_stay_results"] = pl.scan_parquet(ws.results).filter(pl.col("subject_id") == sid).select(pl.len()) \
-        .collect().item() if ws.results.exists() else 0
+    found["per_stay_results"] = results_of(ws, sid).select(pl.len()).collect().item() if ws.results.exists() else 0
     ref = owner(ws, sid) if ws.checkpoints() else None
     found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(ref)) for c in ws.checkpoints())
     return found, stay_ids
@@ -65,8 +64,8 @@ def check_subject(ws: Workspace, subject_id: int) -> tuple | None:
                                   f"first)")
     key = store_key(ws.store, ws.root)
     found, stay_ids = scan_subject(ws, sid)
-    stay_ids = sorted(set(stay_ids) | set(_stay_ids_from_results(ws, sid)))
-    stay_files = [p for p in (ws.stay_memory(s, key) for s in stay_ids) if p.exists()]
+    stay_files = [p for p in sorted({ws.stay_memory(s, key) for s in stay_ids} | set(_stay_files_from_results(ws, sid)))
+                  if p.exists()]
     if any(found.values()) or stay_files:
         return found, stay_files
     subject_hash = keyed_hash(sid, key)
@@ -109,8 +108,14 @@ def resolve_subject(ws: Workspace, subject_hash: str) -> int:
     raise UnknownSubjectError(f"no subject with keyed hash {subject_hash[:12]}... is in the workspace {ws.root}")
 
 
-def _stay_ids_from_results(ws, sid):
+def results_of(ws: Workspace, sid: int) -> pl.LazyFrame:
+    """The subject's rows of the per-stay results, which name them by keyed reference only."""
+    return pl.scan_parquet(ws.results).filter(pl.col("subject_ref") == owner(ws, sid))
+
+
+def _stay_files_from_results(ws, sid):
+    """Per-stay memory files of the subject's scored stays (a memory file is named by its stay's reference)."""
     if not ws.results.exists():
         return []
-    return (pl.scan_parquet(ws.results).filter(pl.col("subject_id") == sid).select(pl.col("stay_id").unique())
-            .collect()["stay_id"].to_list())
+    refs = results_of(ws, sid).select(pl.col("stay_ref").unique()).collect()["stay_ref"].to_list()
+    return [ws.stay_memories / f"{r}.npz" for r in refs]

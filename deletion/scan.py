@@ -20,8 +20,12 @@ SCANNED = ["events", "quarantine", "stays", "per_stay_results", "labels", "cohor
            "per_stay_memories", "generated_source", "extraction_scratch"]
 
 
-def _rows_in(path, sid) -> int:
-    return pl.scan_parquet(path).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item()
+def _rows_in(path, sid, ref) -> int:
+    """The subject's rows in a parquet file naming them by id, or by keyed reference (the per-stay results)."""
+    frame = pl.scan_parquet(path)
+    mine = pl.col("subject_ref") == ref if "subject_ref" in frame.collect_schema().names() else \
+        pl.col("subject_id") == sid
+    return frame.filter(mine).select(pl.len()).collect().item()
 
 
 def residual_scan(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -> dict:
@@ -31,7 +35,7 @@ def residual_scan(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -
     for f in [*shard_files(ws.store), *(ws.store / "quarantine").glob("*.parquet"), ws.store / "stays.parquet",
               ws.results, *label_files(ws), subject_splits_path(ws.store)]:
         if str(f) not in deleted and f.exists():
-            rows += _rows_in(staged.get(str(f), f), sid)
+            rows += _rows_in(staged.get(str(f), f), sid, ref)
     for final, src in staged.items():
         if Path(src).is_dir() and (Path(src) / "memory.npz").exists():
             rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if owner_of(t) == ref)

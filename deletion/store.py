@@ -15,6 +15,8 @@ from pipeline.meds import (codes_metadata_path, read_codes_metadata, shard_files
                            write_codes_metadata, write_label_file, write_shard, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
 
+from .plan import owner
+
 if TYPE_CHECKING:
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
@@ -141,9 +143,10 @@ def remove_stay_artifacts(ws: Workspace, txn: Transaction, sid: int, stay_files:
     training split and so possibly on this patient (the next run retrains it)."""
     removed = {"label_rows": _labels(ws, txn, sid)}
     if ws.results.exists():
+        mine = pl.col("subject_ref") == owner(ws, sid)
         res = pl.scan_parquet(ws.results)
-        removed["per_stay_result_rows"] = int(res.filter(pl.col("subject_id") == sid).select(pl.len()).collect().item())
-        res.filter(pl.col("subject_id") != sid).sink_parquet(txn.stage(ws.results))
+        removed["per_stay_result_rows"] = int(res.filter(mine).select(pl.len()).collect().item())
+        res.filter(~mine).sink_parquet(txn.stage(ws.results))
     # The per-stay caches are keyed by content, not by patient: the subject's whole shard of them goes (the
     # next run recomputes that shard's stays), so nothing computed from their rows survives in the cache.
     shard = int(sid) % N_BUCKETS

@@ -17,6 +17,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import polars as pl
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -39,6 +41,22 @@ def keyed_hash(value: int | str, key: bytes) -> str:
 def subject_ref(subject_id: int, key: bytes) -> str:
     """The opaque owner reference of a patient's tokens in the memories (a prefix of their keyed hash)."""
     return keyed_hash(int(subject_id), key)[:32]
+
+
+def id_refs(frame: pl.DataFrame, key: bytes) -> pl.DataFrame:
+    """``frame`` with its ``stay_id`` and ``subject_id`` columns replaced by ``stay_ref`` and ``subject_ref``
+    (what a derived file holds instead of an identifier); each reference computed once per id."""
+    stays = {s: stay_ref(s, key) for s in frame["stay_id"].unique().to_list()}
+    subjects = {s: subject_ref(s, key) for s in frame["subject_id"].unique().to_list()}
+    return frame.with_columns(pl.col("stay_id").replace_strict(stays, return_dtype=pl.String).alias("stay_ref"),
+                              pl.col("subject_id").replace_strict(subjects, return_dtype=pl.String)
+                              .alias("subject_ref")).drop("stay_id", "subject_id")
+
+
+def stay_ref(stay_id: int, key: bytes) -> str:
+    """The opaque reference of an ICU stay in memory token ids, per-stay results and the per-stay memory's file
+    name (keyed, domain-separated from the subject hash, so neither reveals the other)."""
+    return keyed_hash(f"stay:{int(stay_id)}", key)[:32]
 
 
 def load_key(workspace: Path | str | None = None) -> bytes:

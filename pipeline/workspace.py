@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .privacy import keyed_hash
+from .privacy import keyed_hash, stay_ref
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Workspace:
 
     def stay_memory(self, stay_id: int, key: bytes) -> Path:
         """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""
-        return self.stay_memories / f"{keyed_hash(f'stay:{stay_id}', key)[:32]}.npz"
+        return self.stay_memories / f"{stay_ref(stay_id, key)}.npz"
 
     def checkpoints(self) -> list:
         """Cohort-memory checkpoints, oldest first."""

@@ -14,11 +14,11 @@ from cohorts.runs import prepare_token_run, prepare_token_streams, score_pending
 from cohorts.token_run import ScoringPlan
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.privacy import load_key
+from pipeline.privacy import id_refs, load_key, subject_ref
 from pipeline.workspace import Workspace
 
 BUDGETS, FRACTIONS = (8, 32), (0.1,)
-SORT = ["stay_id", "protocol", "keys", "label", "budget", "policy", "metric"]
+SORT = ["stay_ref", "protocol", "keys", "label", "budget", "policy", "metric"]
 
 
 def _run(ws, cfg, chunk_stays=3):
@@ -52,12 +52,13 @@ def test_the_chunked_run_equals_the_whole_cohort_in_memory(source, tmp_path):
     assert {k: v for k, v in summary.items() if k != "computed_stays"} == reference
     expected = score_token_streams(streams, BUDGETS, FRACTIONS, settings, cfg["protocols"]["fixed_context"],
                                    fraction_cap=max(BUDGETS))
-    assert rows.equals(pl.DataFrame(expected).select(rows.columns).sort(SORT))
+    assert rows.equals(id_refs(pl.DataFrame(expected), load_key()).select(rows.columns).sort(SORT))
     for f in sorted((tmp_path / "labels").glob("*.parquet")):
         assert pl.read_parquet(ws.labels / f.name).sort("subject_id", "prediction_time").equals(
             pl.read_parquet(f).sort("subject_id", "prediction_time"))
     # the caches name no stay or patient
     ids = {str(s) for s in index.cohort["stay_id"].to_list() + index.cohort["subject_id"].to_list()}
+    assert not set(rows.columns) & {"stay_id", "subject_id"}         # the results name stays by reference
     for f in (ws.root / "cache").rglob("*"):
         if f.is_file():
             text = f.read_bytes()
@@ -159,7 +160,7 @@ def test_a_deletion_drops_the_patient_s_cache_and_the_next_run_equals_one_that_n
     after, _, rows = _run(ws, cfg)
     assert after.computed["tokens"] == index.shard_rows(shard).height - index.cohort.filter(
         pl.col("subject_id") == sid).height
-    assert sid not in rows["subject_id"].to_list()
+    assert subject_ref(sid, load_key()) not in rows["subject_ref"].to_list()
     never = Workspace(tmp_path / "never")
     shutil.copytree(ws.source, never.source)
     extract(never.source, never.store, key=load_key())

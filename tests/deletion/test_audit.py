@@ -13,11 +13,7 @@ from flows.cli import main
 from pipeline.evidence import (CHECKPOINT, LEDGER, PUBLIC_KEY_ENV, SIGNING_KEY_ENV, canonical, load_signing_key,
                                public_hex, read_log, verify_certificate, write_signing_key)
 from tests.deletion.test_deletion import plain_ws  # noqa: F401  (the module's workspace fixture)
-from tests.workspaces import copy_ws
-
-
-def _subjects(ws):
-    return sorted(pl.read_parquet(ws.results)["subject_id"].unique())
+from tests.workspaces import copy_ws, scored_subjects
 
 
 def _rebuild_without_first_entry(ws, key):
@@ -47,7 +43,7 @@ def _rebuild_without_first_entry(ws, key):
 def test_a_log_rebuilt_without_an_entry_and_re_signed_by_another_key_fails_verification(plain_ws, tmp_path,  # noqa: F811
                                                                                          monkeypatch, capsys):
     ws = copy_ws(plain_ws, tmp_path / "ws")
-    for sid in _subjects(ws)[:2]:
+    for sid in scored_subjects(ws)[:2]:
         delete_subject(ws, sid, mode="replay")
     owner = public_hex(load_signing_key(ws.root))
     _rebuild_without_first_entry(ws, Ed25519PrivateKey.generate())
@@ -68,7 +64,7 @@ def test_a_log_rebuilt_without_an_entry_and_re_signed_by_another_key_fails_verif
 def test_an_untouched_log_verifies_against_the_pinned_key_and_says_what_was_checked(plain_ws, tmp_path,  # noqa: F811
                                                                                     monkeypatch, capsys):
     ws = copy_ws(plain_ws, tmp_path / "ws")
-    _, path = delete_subject(ws, _subjects(ws)[0], mode="replay")
+    _, path = delete_subject(ws, scored_subjects(ws)[0], mode="replay")
     owner = public_hex(load_signing_key(ws.root))
     monkeypatch.delenv(SIGNING_KEY_ENV)
     pinned = tmp_path / "pinned.pub"
@@ -86,7 +82,7 @@ def test_an_untouched_log_verifies_against_the_pinned_key_and_says_what_was_chec
 def test_a_missing_or_malformed_saved_checkpoint_is_one_line_naming_the_file(plain_ws, tmp_path, content,  # noqa: F811
                                                                              capsys):
     ws = copy_ws(plain_ws, tmp_path / "ws")
-    _, path = delete_subject(ws, _subjects(ws)[0], mode="replay")
+    _, path = delete_subject(ws, scored_subjects(ws)[0], mode="replay")
     saved = tmp_path / "saved.json"
     if content is not None:
         saved.write_text(content)
@@ -97,7 +93,7 @@ def test_a_missing_or_malformed_saved_checkpoint_is_one_line_naming_the_file(pla
 
 def test_after_a_rollback_delete_refuses_to_append_and_overwrites_no_certificate(plain_ws, tmp_path):  # noqa: F811
     ws = copy_ws(plain_ws, tmp_path / "ws")
-    subjects = _subjects(ws)
+    subjects = scored_subjects(ws)
     delete_subject(ws, subjects[0], mode="replay")
     backup = {f: (ws.root / f).read_text() for f in (LEDGER, CHECKPOINT)}      # a backup taken here
     delete_subject(ws, subjects[1], mode="replay")

@@ -16,7 +16,7 @@ from pipeline.extract import UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
-from tests.workspaces import copy_ws, ref, subject_with_memory_tokens
+from tests.workspaces import copy_ws, ref, scored_subjects, subject_with_memory_tokens
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_a_request_travels_as_the_keyed_hash(plain_ws, tmp_path):
 
 def test_a_broken_log_is_never_appended_to(plain_ws, tmp_path):
     ws = copy_ws(plain_ws, tmp_path / "ws")
-    subjects = sorted(pl.read_parquet(ws.results)["subject_id"].unique())
+    subjects = scored_subjects(ws)
     delete_subject(ws, subjects[0])
     entry = json.loads(ws.ledger.read_text())
     ws.ledger.write_text(json.dumps(entry | {"certificate_sha256": "0" * 64}, separators=(",", ":")) + "\n")
@@ -108,7 +108,7 @@ def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_ord
 @pytest.mark.parametrize("mode", ["decrement", "replay"])
 def test_after_a_deletion_the_next_run_finds_the_history_unchanged(plain_ws, tmp_path, mode):
     ws = copy_ws(plain_ws, tmp_path / "ws")
-    subjects = sorted(pl.read_parquet(ws.results)["subject_id"].unique())
+    subjects = scored_subjects(ws)
     held = subject_with_memory_tokens(ws)
     evicted = next(s for s in subjects if s != held and not CohortMemory.load(ws.checkpoints()[-1]).tokens_of(ref(s)))
     for sid in (held, evicted):                       # one with tokens in the memory, one fed and evicted

@@ -19,7 +19,7 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
-from tests.workspaces import copy_ws, ref, subject_with_memory_tokens
+from tests.workspaces import copy_ws, raw_id_hits, ref, scored_subjects, subject_with_memory_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = dict(budgets=(8, 16), fractions=(0.1,), cohort_budget=24, max_events=150, encoder_steps=20, tokens="events")
@@ -53,7 +53,7 @@ def test_scheduled_run_end_to_end(workspace):
     assert ws.results.exists() and len(ws.checkpoints()) == 1
     assert any(ws.stay_memories.glob("*.npz"))
     text = ws.report_html.read_text()
-    for sid in pl.read_parquet(ws.results)["subject_id"].unique().to_list():
+    for sid in scored_subjects(ws):
         assert str(sid) not in text  # no identifiers in the report
 
 
@@ -106,7 +106,7 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
 
 def test_tampering_is_detected(workspace, tmp_path):
     ws = copy_ws(workspace[0], tmp_path / "ws")
-    res = pl.read_parquet(ws.results)["subject_id"].unique().sort().to_list()
+    res = scored_subjects(ws)
     _, p1 = delete_subject(ws, res[0])
     _, p2 = delete_subject(ws, res[1])
     assert verify_certificate(p1) == [] and verify_certificate(p2) == []
@@ -143,7 +143,7 @@ def test_replay_mode_equals_a_memory_that_never_saw_the_patient(workspace, tmp_p
 
 def test_a_deletion_refuses_while_a_run_holds_the_lock(workspace, tmp_path):
     ws = copy_ws(workspace[0], tmp_path / "ws")
-    sid = pl.read_parquet(ws.results)["subject_id"][0]
+    sid = scored_subjects(ws)[0]
     with workspace_lock(ws.root, purpose="scheduled run"):
         with pytest.raises(WorkspaceLocked, match="locked by another run"):
             delete_subject(ws, sid, wait_seconds=0.3)
@@ -350,16 +350,9 @@ def test_token_mode_run_reports_both_protocols(token_workspace):
     assert data["metadata"]["streaming_selection_grid"] and "nu_B" in data["metadata"]["sv_rule"]
     text = ws.report_html.read_text()
     assert '<section id="headline">' in text
-    for sid in pl.read_parquet(ws.results)["subject_id"].unique().to_list():
+    for sid in scored_subjects(ws):
         assert str(sid) not in text
 
-
-def _subject_in_cohort_memory(ws):
-    cm = CohortMemory.load(ws.checkpoints()[-1])
-    for sid in pl.read_parquet(ws.results)["subject_id"].unique().sort().to_list():
-        if cm.tokens_of(ref(sid)):
-            return sid
-    pytest.fail("no evaluation subject has tokens in the cohort memory")
 
 
 @pytest.mark.slow
@@ -368,7 +361,7 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
     from cohorts.runs import load_scaler
     from cohorts.streams import cohort_stream
     ws = copy_ws(token_workspace[0], tmp_path / "dec")
-    sid = _subject_in_cohort_memory(ws)
+    sid = subject_with_memory_tokens(ws)
     cert, path = delete_subject(ws, sid)
     assert verify_certificate(path) == [] and cert["residual_scan"]["rows_remaining"] == 0
     assert all(v["passed"] for v in cert["verification"].values())
@@ -392,7 +385,7 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
 def test_deleting_twice_is_a_completed_no_op_flow_run(token_workspace, tmp_path):
     from flows.prefect_flows import delete_patient
     ws = copy_ws(token_workspace[0], tmp_path / "twice")
-    sid = _subject_in_cohort_memory(ws)
+    sid = subject_with_memory_tokens(ws)
     first = delete_patient(str(ws.root), hash_of(sid))
     assert Path(first["certificate"]).exists()
     state = delete_patient(str(ws.root), hash_of(sid), return_state=True)
@@ -409,37 +402,6 @@ def test_deleting_twice_is_a_completed_no_op_flow_run(token_workspace, tmp_path)
     assert "Traceback" not in unknown.stderr
 
 
-def raw_id_hits(root, sid):
-    """Every place under ``root`` that holds the raw id: parquet columns, arrays in .npz files, SQLite
-    databases (dumped), and any other file as text (gzip opened)."""
-    import re
-    import sqlite3
-    pat = re.compile(rf"(?<![0-9.]){sid}(?![0-9])")
-    hits = []
-    for f in sorted(Path(root).rglob("*")):
-        if not f.is_file():
-            continue
-        head = f.read_bytes()[:16]
-        if f.suffix == ".parquet":
-            df = pl.read_parquet(f)
-            hits += [f"{f}:{c}" for c, t in df.schema.items() if (t.is_integer() and (df[c] == sid).any()) or
-                     (t == pl.String and any(pat.search(x) for x in df[c].drop_nulls().unique()))]
-        elif f.suffix == ".npz":
-            with np.load(f, allow_pickle=False) as z:
-                hits += [f"{f}:{n}" for n in z.files if (z[n].dtype.kind in "iu" and (z[n] == sid).any()) or
-                         (z[n].dtype.kind == "U" and any(pat.search(str(x)) for x in z[n].ravel()))]
-        elif head.startswith(b"SQLite format 3"):
-            con = sqlite3.connect(f)
-            if any(pat.search(line) for line in con.iterdump()):
-                hits.append(str(f))
-            con.close()
-        else:
-            data = gzip.decompress(f.read_bytes()) if head[:2] == b"\x1f\x8b" else f.read_bytes()
-            if pat.search(data.decode("latin-1")):
-                hits.append(str(f))
-    return hits
-
-
 @pytest.mark.slow
 def test_after_a_deletion_no_raw_id_is_anywhere_and_a_rerun_does_not_bring_the_patient_back(workspace, source,
                                                                                              tmp_path):
@@ -447,22 +409,21 @@ def test_after_a_deletion_no_raw_id_is_anywhere_and_a_rerun_does_not_bring_the_p
     storage); a rerun on the unchanged source; a second request."""
     from prefect.settings import get_current_settings
 
-    from flows.prefect_flows import delete_patient, scheduled_run
+    from flows.prefect_flows import delete_patient, refusal_reason, scheduled_run
     ws = copy_ws(workspace[0], tmp_path / "ws")
     shutil.copytree(source, ws.source)           # the workspace's own copy of the raw rows, as `make demo` has
     sid = subject_with_memory_tokens(ws)
-    assert raw_id_hits(ws.root, sid)             # the scanner finds the patient before the deletion
+    assert raw_id_hits(ws.root, {sid})             # the scanner finds the patient before the deletion
     assert Path(delete_patient(str(ws.root), hash_of(sid))["certificate"]).exists()
     settings = get_current_settings()
     db = Path(settings.server.database.connection_url.get_secret_value().split("///")[-1])
     places = [ws.root, Path(settings.home), db.parent, Path(settings.results.local_storage_path)]
-    assert [h for p in places if p.exists() for h in raw_id_hits(p, sid)] == []
+    assert [h for p in places if p.exists() for h in raw_id_hits(p, {sid})] == []
     # control: a value handed to a flow does reach Prefect's database, and the scan finds it there
-    with pytest.raises(UnknownSubjectError):
-        delete_patient(str(ws.root), "987654321")
-    assert any(str(db.parent) in h for h in raw_id_hits(db.parent, 987654321))
+    assert "no subject" in refusal_reason(delete_patient(str(ws.root), "987654321", return_state=True))
+    assert any(str(db.parent) in h for h in raw_id_hits(db.parent, {987654321}))
     scheduled_run(root=str(ws.root), source=str(source), **RUN)
     assert not any(scan_subject(ws, sid)[0].values())
-    assert [h for p in places if p.exists() for h in raw_id_hits(p, sid)] == []
+    assert [h for p in places if p.exists() for h in raw_id_hits(p, {sid})] == []
     assert "already_deleted" in delete_patient(str(ws.root), hash_of(sid))
     assert len(list(ws.certificates.glob("*.json"))) == 1

@@ -1,0 +1,81 @@
+"""A workspace built on the real MIMIC-IV demo by the run's plain step functions (tokens, scoring, statistics,
+cohort memory, report): the shared report shows no small cell, and no raw identifier of the demo is in any
+derived file (only in the event store, its MEDS label files and the source)."""
+import json
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from cohorts.definitions import load_config
+from cohorts.protocols import score_token_streams
+from cohorts.runs import prepare_token_run, run_metadata, run_statistics, score_pending, update_cohort_memory
+from cohorts.token_run import ScoringPlan
+from pipeline.extract import extract
+from pipeline.privacy import load_key
+from pipeline.workspace import Workspace
+from reports.html import render_report
+from tests.workspaces import raw_id_hits
+
+DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mimic-iv-demo"
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not DEMO.exists(), reason="shared/data/mimic-iv-demo is not present on this machine")]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    cfg = load_config()
+    ws = Workspace(tmp_path_factory.mktemp("demo") / "ws")
+    extract(DEMO, ws.store, key=load_key())
+    index, cohort = prepare_token_run(ws, cfg)
+    budgets = (32,)
+
+    def score(batch, advance):
+        return score_token_streams(batch, budgets, (), index.settings, cfg["protocols"]["fixed_context"],
+                                   memory_budget=32, fraction_cap=32)
+    score_pending(ws, index, cfg, ScoringPlan(budgets, (), 32, 32), score)
+    summary, paired = run_statistics(ws)
+    update_cohort_memory(ws, cfg, budget=64, tokens="hourly")
+    result = {"summary": summary, "paired": paired, "cohort": cohort,
+              "metadata": run_metadata(ws, budgets, (), None, 32, 1.0, tokens="hourly", settings=index.settings,
+                                       cfg=cfg)}
+    render_report(result, ws.root)
+    return ws
+
+
+def _people_counts(o):
+    """Every count of stays or patients in report.json's cohort table (a hidden one: {"n": "<11"})."""
+    if isinstance(o, dict):
+        if o.get("unit") in ("stays", "patients") or str(o.get("n")).startswith("<"):
+            yield o["n"]
+        for v in o.values():
+            yield from _people_counts(v)
+    elif isinstance(o, list):
+        for v in o:
+            yield from _people_counts(v)
+
+
+def test_no_count_of_1_to_10_stays_or_patients_shows_in_the_report(demo):
+    html = demo.report_html.read_text()
+    report = json.loads(demo.report_json.read_text())
+    counts = list(_people_counts(report["cohort"]["characteristics"]))
+    assert counts and "<11" in counts and not any(isinstance(n, int) and 0 < n < 11 for n in counts)
+    assert not any(isinstance(r["n"], int) and 0 < r["n"] < 11 for r in report["summary"] + report["paired"])
+    assert not any(isinstance(v, int) and 0 < v < 11 for k, v in report["cohort"].items() if "stays" in k)
+    visible = re.sub(r"<[^>]+>", " ", html)
+    for pattern in (r"n=(\d+)", r"over (\d+) stays", r"\((\d+) stays", r"(\d+) stays\b"):
+        assert not [n for n in re.findall(pattern, visible) if 0 < int(n) < 11], pattern
+    cohort_section = html[html.index('<section id="cohort">'):html.index("<h3>Clinical deterioration")]
+    assert not [c for c in re.findall(r"<td>(\d+)(?: \(\d+%\))?</td>", cohort_section) if 0 < int(c) < 11]
+
+
+def test_no_raw_subject_admission_or_stay_id_outside_the_store_and_its_label_files(demo):
+    ids = set()
+    for table, cols in (("hosp/patients", ["subject_id"]), ("hosp/admissions", ["subject_id", "hadm_id"]),
+                        ("icu/icustays", ["subject_id", "hadm_id", "stay_id"])):
+        frame = pl.read_csv(DEMO / f"{table}.csv.gz", infer_schema=False)
+        ids |= {int(v) for c in cols for v in frame[c].drop_nulls()}
+    assert raw_id_hits(demo.root / "store", ids)              # the scanner finds them where they belong
+    assert raw_id_hits(demo.root, ids, skip=("store", "labels", "source")) == []
+    assert any(demo.root.glob("memories/cohort/checkpoints/*/memory.npz")) and demo.results.exists()
