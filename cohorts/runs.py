@@ -67,7 +67,7 @@ def run_metadata(ws: Workspace, budgets: tuple, fractions: tuple, max_events: in
     cfg = cfg or workspace_config(ws.root)
     endpoints = endpoints_from_config(cfg).as_settings()
     return {"data_source": str(ws.store), "code_version": code_version(), "budgets": list(budgets),
-            "declared_endpoints": endpoints, "small_cell_threshold": small_cell_threshold(cfg),
+            "declared_endpoints": endpoints, "small_cell_threshold": small_cell_threshold(cfg), "tokens_mode": tokens,
             "fractions": list(fractions),
             "fraction_budget_rule": f"round(fraction * stream length), at least 4, at most {max(budgets)} "
                                     "(the largest fixed budget)" if len(budgets) else "round(fraction * stream length)",
@@ -196,9 +196,14 @@ def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 1
     target.parent.mkdir(parents=True, exist_ok=True)
     mem.save(target)
     save_scaler(scaler, target, tokens)
-    return {"checkpoint": target.name, "tokens_mode": tokens, "fed": mem.fed - fed_before,
-            "tokens": mem.memory.n_tokens, "certified_evictions": mem.policy.certified,
-            "uncertified_evictions": mem.policy.uncertified, "history": history}
+    return memory_info(mem, target.name, tokens, mem.fed - fed_before, history)
+
+
+def memory_info(mem: CohortMemory, checkpoint: str, tokens: str, fed: int, history: dict) -> dict:
+    """What the report says of the cohort memory after a run fed it ``fed`` tokens (or a deletion replayed it)."""
+    return {"checkpoint": checkpoint, "tokens_mode": tokens, "fed": int(fed), "tokens": mem.memory.n_tokens,
+            "certified_evictions": mem.policy.certified, "uncertified_evictions": mem.policy.uncertified,
+            "history": history}
 
 
 def prepare_token_streams(store: Path, cfg: dict, labels_dir: Path | None = None) -> tuple[list, StreamingSettings,
@@ -290,6 +295,14 @@ def prepare_token_run(ws: Workspace, cfg: dict | None = None, chunk_stays: int =
         write_subject_splits(subject_splits_path(ws.store), subject_splits(ws.store, cfg))
     summary["computed_stays"] = dict(index.computed)
     return index, summary
+
+
+def scoring_plan(budgets: tuple, fractions: tuple) -> ScoringPlan:
+    """What a run's scores depend on besides the streams: its budgets, fractions (capped at the largest budget)
+    and the budget whose per-stay SV memory is persisted (the headline budget when the run has it)."""
+    budgets, fractions = tuple(int(b) for b in budgets), tuple(float(f) for f in fractions)
+    memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else max(budgets)
+    return ScoringPlan(budgets, fractions, memory_budget, max(budgets) if budgets else None)
 
 
 def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,

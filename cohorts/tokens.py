@@ -98,9 +98,12 @@ class TokenScaling:
             sd.append(s if np.isfinite(s) and s > 1e-12 else 1.0)
         return cls(list(channels), np.array(med), np.array(mu), np.array(sd))
 
+    def as_dict(self) -> dict:
+        return {"channels": list(self.channels), "median": self.median.tolist(), "mean": self.mean.tolist(),
+                "sd": self.sd.tolist()}
+
     def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps({"channels": self.channels, "median": self.median.tolist(),
-                                          "mean": self.mean.tolist(), "sd": self.sd.tolist()}))
+        Path(path).write_text(json.dumps(self.as_dict()))
 
     @classmethod
     def load(cls, path: Path) -> "TokenScaling":

@@ -24,7 +24,8 @@ from pipeline.privacy import keyed_hash, store_key
 from pipeline.transaction import Transaction, _crash_point, recover
 
 from .certify import certificate, stage_certificate, stale_reports
-from .memories import rewrite_memories
+from . import derived
+from .memories import replayed_memory_info, rewrite_memories
 from .plan import AlreadyDeleted, DeletionFailed, check_subject, resolve_subject, scan_subject
 from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
@@ -43,13 +44,16 @@ def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_k
     removed = rewrite_store(ws, txn, sid, subject_hash)
     removed |= remove_stay_artifacts(ws, txn, sid, stay_files)
     _crash_point("staged_store")
-    memories = rewrite_memories(ws, txn, sid, mode, n_jitter)
+    params = derived.recomputable(ws) if mode == "replay" else None
+    run = derived.prepare(ws, txn, sid, params) if params else None
+    memories = rewrite_memories(ws, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None)
     _crash_point("staged_memories")
+    recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn)) if run else []
     residual = residual_scan(ws, txn, sid, stay_files)
     if residual["rows_remaining"]:
         raise DeletionFailed(f"post-deletion scan still finds the subject: {residual}")
-    cert = certificate(log, subject_hash, mode, removed, memories, residual, stale_reports(ws),
-                       time.perf_counter() - t0)
+    cert = certificate(log, subject_hash, mode, removed, memories, residual, [] if run else stale_reports(ws),
+                       time.perf_counter() - t0, recomputed)
     name = stage_certificate(ws, txn, log, signing_key, cert)
     _crash_point("staged_certificate")
     return cert, name

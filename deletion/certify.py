@@ -19,23 +19,46 @@ if TYPE_CHECKING:
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
 
-AGGREGATES_KEPT = ("per-code value statistics used to standardise event keys and per-channel token statistics "
-                   "(training-split medians, means and standard deviations) persisted with the cohort memory, "
-                   "and aggregate report numbers")
 MODE_MEANING = {"decrement": "memories equal the fixed-C refit of their retained tokens",
                 "replay": "cohort memory re-streamed as if the patient had never been seen"}
+# What a deletion leaves equal to a run that never saw the patient, by mode (what the certificate states; the
+# equivalence of replay is tested against such a run: tests/deletion/test_never_saw.py)
+STORE_EQUAL = ["event store rows", "stay table", "MEDS subject splits", "code metadata counts",
+               "the patient's label rows, per-stay results and per-stay memories (removed)"]
+REPLAY_RECOMPUTED = ["MEDS label files", "rare-item vocabulary", "streaming setting", "token scaling",
+                     "per-stay results and memories", "statistics", "cohort table", "report (html and json)"]
+DECREMENT_NOT_EQUAL = [
+    "cohort memory: it equals the fixed-C refit of its retained tokens, but tokens evicted while the patient was "
+    "present do not come back (the difference to a replay without them is measured in the verification)",
+    "rare-item vocabulary, streaming setting and token scaling fitted to the training split (when the config fits "
+    "it), and what was computed from them: other patients' label rows and per-stay results, statistics, report "
+    "(the reports are marked stale; the next run or a replay deletion recomputes them without the patient)"]
+
+
+def scope(mode: str, recomputed: list) -> dict:
+    """Which artifacts equal a run that never saw the patient, and which do not (and why)."""
+    if mode == "replay" and recomputed:
+        return {"equal": STORE_EQUAL + ["cohort memory (re-streamed without the patient)"] + recomputed,
+                "not_equal": []}
+    if mode == "replay":
+        return {"equal": STORE_EQUAL + ["cohort memory (re-streamed without the patient)"],
+                "not_equal": ["aggregates of the last run (a raw-events run): reports marked stale, recomputed by "
+                              "the next run"]}
+    return {"equal": list(STORE_EQUAL), "not_equal": list(DECREMENT_NOT_EQUAL)}
 
 
 def certificate(log: Log, subject_hash: str, mode: str, removed: dict, memories: tuple, residual: dict, stale: list,
-                seconds: float) -> dict:
-    """The certificate: only what was done and checked (``memories``: tokens, verification, digests)."""
+                seconds: float, recomputed: list = ()) -> dict:
+    """The certificate: only what was done and checked (``memories``: tokens, verification, digests;
+    ``recomputed``: what a replay recomputed without the patient)."""
     tokens, verification, digests = memories
     return {"certificate_id": log.size, "subject_hash": subject_hash,
             "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
             "mode": mode, "mode_meaning": MODE_MEANING[mode],
             "removed": removed | {"cohort_memory_tokens": tokens}, "memory_digests": digests,
             "verification": verification, "residual_scan": residual, "artifacts_marked_stale": stale,
-            "aggregates_kept": AGGREGATES_KEPT, "code_version": code_version(),
+            "recomputed_without_the_patient": list(recomputed),
+            "never_saw_equivalence": scope(mode, list(recomputed)), "code_version": code_version(),
             "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(seconds, 3),
             "log_size_before": log.size, "log_root_before": log.root_hex()}
 

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cohorts.definitions import workspace_config
-from cohorts.runs import FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler
+from cohorts.runs import (FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler, memory_info,
+                          save_scaler)
 from cohorts.streams import cohort_stream, hour_token_names
 from cohorts.token_run import OrderedTokens, stay_facts
 from memory.cohort import CohortMemory
@@ -17,6 +18,7 @@ from pipeline.privacy import store_key
 from .plan import DeletionFailed, owner
 
 if TYPE_CHECKING:
+    from cohorts.tokens import TokenScaling
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
 
@@ -51,6 +53,7 @@ def _stage(txn, ckpt, cm):
     staged = txn.stage(ckpt)
     cm.save(staged)
     copy_checkpoint_extras(ckpt, staged)
+    return staged
 
 
 def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple | None:
@@ -76,6 +79,8 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple
             memories[c.name] = len(tokens)
             digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
             verification[c.name] = _verify(cm, removed_keys, n_jitter)
+            if c == ws.checkpoints()[-1]:
+                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, sid, cm, removed_keys)
         _stage(txn, c, cm)
     return memories, verification, digests
 
@@ -103,30 +108,42 @@ def _others_feed(ws, tokens, scaler, sid):
     return first, feed
 
 
-def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple:
-    """Re-stream the cohort memory without the subject from the last checkpoint that never saw them."""
+def _replayed(ws: Workspace, sid: int, scaler: TokenScaling | None) -> tuple:
+    """The latest checkpoint re-streamed without the subject, from the last checkpoint that never saw them
+    (or from empty): (checkpoints, the latest as it is, its stream mode, the scaling, the clean bases, the
+    replayed memory)."""
     ckpts = ws.checkpoints()
-    if not ckpts:
-        return {}, {}, {}
     latest = CohortMemory.load(ckpts[-1])
     tokens = checkpoint_tokens(ckpts[-1])
-    first, feed = _others_feed(ws, tokens, load_scaler(ckpts[-1]), sid)
-    ref = owner(ws, sid)
+    scaler = scaler if scaler is not None and tokens == "hourly" else load_scaler(ckpts[-1])
+    first, feed = _others_feed(ws, tokens, scaler, sid)
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
-    # checkpoint of the other stream mode is never a replay base
-    clean = [c for c in ckpts if checkpoint_tokens(c) == tokens and (first is None or
-                                                                      CohortMemory.load(c).watermark < first)]
+    # checkpoint of the other stream mode is never a replay base, nor one keyed under other scaling
+    same_keys = [c for c in ckpts if checkpoint_tokens(c) == tokens and
+                 (tokens != "hourly" or load_scaler(c).as_dict() == scaler.as_dict())]
+    clean = [c for c in same_keys if first is None or CohortMemory.load(c).watermark < first]
     base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
                                                                    gamma=latest.gamma, nu=latest.policy.nu)
-    before = latest.memory.state_digest()
     feed(base, latest.watermark)
+    return ckpts, latest, tokens, scaler, clean, base
+
+
+def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, scaler: TokenScaling | None = None) -> tuple:
+    """Re-stream the cohort memory without the subject from the last checkpoint that never saw them; hourly
+    tokens under ``scaler`` when given (token scaling recomputed without the subject), else under the scaling
+    persisted with the memory."""
+    if not ws.checkpoints():
+        return {}, {}, {}
+    ckpts, latest, tokens, scaler, clean, base = _replayed(ws, sid, scaler)
+    ref = owner(ws, sid)
+    before = latest.memory.state_digest()
     # the other mode's checkpoints are history: removed only where they hold the subject
     tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) == tokens or
                                                        CohortMemory.load(c).tokens_of(ref))]
     for c in tainted:
         txn.delete(c)
     target = ckpts[-1]
-    _stage(txn, target, base)
+    save_scaler(scaler, _stage(txn, target, base), tokens)
     verification = {target.name: _verify(base, None, n_jitter)}
     verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
     verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
@@ -134,8 +151,37 @@ def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple:
             {target.name: {"before": before, "after": base.memory.state_digest()}})
 
 
-def rewrite_memories(ws: Workspace, txn: Transaction, sid: int, mode: str, n_jitter: int) -> tuple[dict, dict, dict]:
-    memories, verification, digests = (decrement if mode == "decrement" else replay)(ws, txn, sid, n_jitter)
+def never_saw_difference(ws: Workspace, sid: int, decremented: CohortMemory, removed_keys: np.ndarray) -> dict:
+    """How far the decremented latest checkpoint is from the memory a replay without the subject gives: the
+    tokens only one of them holds, and the deviation of their decision functions on probe queries (every
+    token key either holds, and the subject's removed keys)."""
+    *_, replayed = _replayed(ws, sid, None)
+    a, b = set(decremented.memory.token_ids()), set(replayed.memory.token_ids())
+    probes = [decremented.memory.key_of(t) for t in a] + [replayed.memory.key_of(t) for t in b]
+    probes = np.vstack(probes + ([removed_keys] if len(removed_keys) else [])) if probes else np.empty((0, 0))
+    dev = (np.abs(decremented.memory.decision_function(probes) - replayed.memory.decision_function(probes))
+           if len(probes) and decremented.memory.is_feasible and replayed.memory.is_feasible else np.array([np.nan]))
+    return {"tokens_only_in_decremented": len(a - b), "tokens_only_in_replayed": len(b - a),
+            "probe_queries": int(len(probes)), "max_output_deviation": float(np.max(dev)),
+            "median_output_deviation": float(np.median(dev))}
+
+
+def replayed_memory_info(ws: Workspace, txn: Transaction) -> dict | None:
+    """What a report says of the cohort memory as the deletion staged it (its latest checkpoint)."""
+    ckpts = ws.checkpoints()
+    staged = {op["final"]: ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
+    path = staged.get(str(ckpts[-1].relative_to(ws.root))) if ckpts else None
+    if path is None:
+        return None
+    mem = CohortMemory.load(path)
+    return memory_info(mem, ckpts[-1].name, checkpoint_tokens(path), mem.fed,
+                       {"checked": False, "replayed_without_a_deleted_patient": True})
+
+
+def rewrite_memories(ws: Workspace, txn: Transaction, sid: int, mode: str, n_jitter: int,
+                     scaler: TokenScaling | None = None) -> tuple[dict, dict, dict]:
+    memories, verification, digests = decrement(ws, txn, sid, n_jitter) if mode == "decrement" else \
+        replay(ws, txn, sid, n_jitter, scaler)
     failed = [n for n, v in verification.items() if not v["passed"]]
     if failed:
         raise DeletionFailed(f"refit verification failed for cohort memory checkpoint(s) {failed}: "

@@ -28,9 +28,9 @@ from cohorts.evaluation import (DEFAULT_BUDGETS, DEFAULT_FRACTIONS, EventStream,
                                 headline_rows, long_rows, run_sweep)
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
 from cohorts.provenance import Provenance, provenance
-from cohorts.runs import (HEADLINE_BUDGET, TOKEN_MODES, prepare_token_run, run_metadata, run_statistics, save_results,
-                          score_pending, train_key_encoder, write_phases, update_cohort_memory, workspace_event_streams)
-from cohorts.token_run import ScoringPlan, StayIndex
+from cohorts.runs import (TOKEN_MODES, prepare_token_run, run_metadata, run_statistics, save_results, score_pending,
+                          scoring_plan, train_key_encoder, update_cohort_memory, workspace_event_streams, write_phases)
+from cohorts.token_run import StayIndex
 from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject
 from pipeline import progress
 from pipeline.extract import ExtractionError, UnknownSubjectError, extract
@@ -209,7 +209,8 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
     t0 = time.perf_counter()
     ws = Workspace(root)
     n_chunks = chunks or (os.cpu_count() or 1) * 4
-    memory_budget = HEADLINE_BUDGET if HEADLINE_BUDGET in budgets else max(budgets)
+    plan = scoring_plan(budgets, fractions)
+    memory_budget = plan.memory_budget
     common = dict(budgets=unmapped(tuple(budgets)), fractions=unmapped(tuple(fractions)),
                   memory_budget=unmapped(memory_budget))
     settings, cfg = None, workspace_config(ws.root)
@@ -221,8 +222,7 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
             parts = balanced_chunks(batch, n_chunks, size=len)
             futures = score_token_chunk.map(parts, settings=unmapped(settings), fixed=unmapped(fixed), **common)
             return [r for f in _completed(futures, parts, advance) for r in f.result()]
-        scored = score_pending(ws, index, cfg, ScoringPlan(tuple(budgets), tuple(fractions), memory_budget,
-                                                           max(budgets) if budgets else None), score_batch)
+        scored = score_pending(ws, index, cfg, plan, score_batch)
         n_stays = cohort["eval_stays"]
         summary, paired = run_statistics(ws)
     else:

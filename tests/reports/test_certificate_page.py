@@ -7,9 +7,13 @@ CERT = {"certificate_id": 3, "subject_hash": "ab" * 32, "hash": "HMAC-SHA256 (wo
                     "per_stay_result_rows": 40, "per_stay_memories": 2, "cohort_memory_tokens": {"000001-x": 7}},
         "memory_digests": {"000001-x": {"before": "d0", "after": "d1"}},
         "verification": {"000001-x": {"passed": True, "max_decision_deviation": 2.5e-15, "tolerance": 1e-8,
-                                      "tokens": 121}},
+                                      "tokens": 121, "never_saw_difference": {
+                                          "tokens_only_in_decremented": 4, "tokens_only_in_replayed": 17,
+                                          "probe_queries": 240, "max_output_deviation": 0.031,
+                                          "median_output_deviation": 0.002}}},
         "residual_scan": {"rows_remaining": 0, "scanned": ["events", "per_stay_results"]},
-        "artifacts_marked_stale": ["report.html"], "aggregates_kept": "training-split statistics",
+        "artifacts_marked_stale": ["report.html"],
+        "never_saw_equivalence": {"equal": ["event store rows"], "not_equal": ["cohort memory: evicted tokens"]},
         "code_version": "0.1.0+test", "issued_at": "2026-12-03T10:00:00+0000", "seconds": 0.2,
         "log_size_before": 3, "log_root_before": "ab" * 32}
 
@@ -20,6 +24,9 @@ def test_a_verified_certificate_states_its_status_first_and_how_to_check_it():
     assert "forgetful verify certificates/000003.json" in page
     assert "1,200" in page and "2.50e-15" in page and "per stay results" in page
     assert "000001-x" in page and "{" not in page.split("</style>")[1]          # tables, no JSON dump
+    # decrement states its scope in words, and the measured distance to a replay
+    assert "<b>Not</b> equal to it" in page and "cohort memory: evicted tokens" in page
+    assert "17 only after the replay" in page and "at most 3.10e-02" in page
 
 
 def test_a_failed_check_is_not_called_verified_and_empty_fields_are_explained():
@@ -31,4 +38,4 @@ def test_a_failed_check_is_not_called_verified_and_empty_fields_are_explained():
     empty = CERT | {"removed": {}, "verification": {}, "memory_digests": {}, "artifacts_marked_stale": []}
     page = render_certificate_html(empty)
     assert "the store held no event of this patient" in page
-    assert "held none of this patient's tokens" in page and "No report was present" in page
+    assert "held none of this patient's tokens" in page and "No report is left stale" in page
