@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from pipeline.evidence import (SIGNING_KEY_ENV, TrustAnchor, load_signing_key, public_hex, read_log,
                                signer_problems)
 from pipeline.locking import workspace_lock
+from pipeline.migrate import check_format
 from pipeline.privacy import keyed_hash, store_key
 from pipeline.transaction import Transaction, _crash_point, recover
 
@@ -70,6 +71,7 @@ def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     sid = int(subject_id)
+    check_format(ws.store)
     with workspace_lock(ws.root, wait_seconds=wait_seconds, purpose=f"deletion ({mode})"):
         recover(ws.root)
         subject_hash = keyed_hash(sid, store_key(ws.store, ws.root))

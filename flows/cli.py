@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the log signer's Ed25519 public key (hex, or a file outside the workspace holding it; as "
                          "`keygen --signing` prints it); default: $FORGETFUL_LOG_PUBLIC_KEY, else the public half of "
                          "$FORGETFUL_SIGNING_KEY_FILE, else the --checkpoint copy's key")
+    mg = sub.add_parser("migrate", help="upgrade a workspace written by an earlier release to this one's format",
+                        formatter_class=fmt)
+    mg.add_argument("workspace", help="the workspace folder (or a stand-alone store)")
     kg = sub.add_parser("keygen", help="write a new key to a file (keep it outside every workspace)",
                         formatter_class=fmt)
     kg.add_argument("path", help="the key file to create (never overwritten)")
@@ -137,8 +140,17 @@ def _print_headline(result: dict):
               f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
 
 
+def _migrate(args):
+    from pipeline.migrate import migrate
+    for step in migrate(Path(args.workspace)):
+        print(f"migrate: {step}")
+    return 0
+
+
 def _workspace_root(args):
     """The workspace a command reads (None for keygen): a certificate's, a store's parent, or --out."""
+    if args.cmd == "migrate":
+        return Path(args.workspace)
     if args.cmd == "verify":
         return Path(args.certificate).resolve().parent.parent
     if args.cmd == "extract":
@@ -247,7 +259,10 @@ def _run(args):
     if root is not None and root.exists():
         from pipeline.transaction import settle
         settle(root)
-    offline = {"keygen": _keygen, "extract": _extract, "verify": _verify}   # no flow, no server
+    if root is not None and args.cmd != "migrate":
+        from pipeline.migrate import check_format
+        check_format(Path(args.out) if args.cmd == "extract" else root / "store")
+    offline = {"keygen": _keygen, "extract": _extract, "verify": _verify, "migrate": _migrate}   # no flow, server
     if args.cmd in offline:
         return offline[args.cmd](args)
     _preflight(args)

@@ -38,6 +38,7 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, N_BUCKETS, REQUIRED_TABLE
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
                    codes_metadata_path, events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files,
                    shard_of, stage_meds, write_codes_metadata, write_dataset_metadata, write_shard)
+from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 
 
@@ -368,7 +369,9 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     # headers only: a missing table, column or metadata file fails before out exists
     shards = meds_source(source) if is_meds_dataset(source) else []
     paths, missing = ({}, []) if shards else check_source(source)
+    check_format(out)
     created, suppressed = _open_store(out, key)
+    mark_current(out)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     try:
