@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from cohorts.definitions import is_eval_subject, load_config, workspace_config
+from cohorts.definitions import install_config, is_eval_subject, load_config, resolve_config, workspace_config
 from cohorts.protocols import score_token_streams
 from cohorts.provenance import provenance
 from cohorts.runs import (prepare_token_run, run_metadata, run_statistics, score_pending, scoring_plan,
@@ -19,7 +19,7 @@ from memory.cohort import CohortMemory
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.meds import shard_files
-from pipeline.privacy import load_key
+from pipeline.privacy import load_key, subject_ref
 from pipeline.workspace import Workspace
 from reports.html import render_report
 from tests.workspaces import copy_ws
@@ -131,11 +131,32 @@ def test_replay_leaves_what_a_run_that_never_saw_the_patient_makes(full, tmp_pat
 
 
 @pytest.mark.slow
+def test_with_scaling_fitted_to_the_training_split_replay_refits_it_and_replays_the_memory_under_it(full, tmp_path):
+    source, _ = full
+    fitted = tmp_path / "fitted.yaml"
+    fitted.write_text(resolve_config(None).read_text().replace("scaling: reference", "scaling: training_split"))
+    ws = Workspace(tmp_path / "full")
+    install_config(ws.root, str(fitted))
+    extract(source, ws.store, key=load_key())
+    run(ws)
+    cfg = workspace_config(ws.root)
+    sid = next(s for s in pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
+               if not is_eval_subject(s, cfg))
+    before = json.loads((ws.checkpoints()[-1] / "token_scaling.json").read_text())
+    delete_subject(ws, sid, mode="replay")
+    assert json.loads((ws.checkpoints()[-1] / "token_scaling.json").read_text()) != before
+    never = Workspace(tmp_path / "never")
+    install_config(never.root, str(fitted))
+    extract(without(source, tmp_path / "source-without", sid), never.store, key=load_key())
+    run(never)
+    assert_equal_workspaces(ws, never)
+
+
+@pytest.mark.slow
 def test_decrement_states_what_it_leaves_different_and_measures_the_memory_s_distance(full, tmp_path):
     source, ws = full
     deleted = copy_ws(ws, tmp_path / "deleted")
     owners = {t.split(":")[0] for t in CohortMemory.load(ws.checkpoints()[-1]).memory.token_ids()}
-    from pipeline.privacy import subject_ref
     sid = next(s for s in pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
                if subject_ref(s, load_key()) in owners)
     try:
