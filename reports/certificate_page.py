@@ -57,7 +57,10 @@ def _shown(n, threshold: int):
 
 def _removed(cert: dict, threshold: int) -> str:
     removed = cert.get("removed") or {}
-    rows = [(f"events from <code>{html.escape(t)}</code>", n)
+    # two icustays events (admission, discharge) per stay: a small stay count would be worked back from theirs
+    stays_hidden = is_small(removed.get("stays", 0), threshold)
+    rows = [(f"events from <code>{html.escape(t)}</code>",
+             _shown(n, 2 * threshold) if t == "icustays" and stays_hidden else n)
             for t, n in sorted((removed.get("events_by_table") or {}).items())]
     if not rows:
         rows.append(("events", "0 <small>(the store held no event of this patient)</small>"))
@@ -143,8 +146,10 @@ def render_certificate_html(cert: dict, name: str = "", threshold: int = DEFAULT
             f"{_removed(cert, threshold)}{_memories(cert)}{_kept(cert)}"
             f"<h2>How to verify</h2><p>From the workspace directory, re-check this certificate and the whole log "
             f"(add <code>--checkpoint FILE</code> with a copy of <code>checkpoint.json</code> you saved earlier to "
-            f"check that nothing before it was rewritten or removed):</p><pre>forgetful verify {html.escape(path)}"
-            f"</pre><p><small>The check recomputes every log entry from the certificates and pages it names, the "
-            f"Merkle root and its Ed25519 signature, this certificate's inclusion proof, and reports any memory "
+            f"check that nothing before it was rewritten or removed; add <code>--public-key KEY</code> with the log "
+            f"signer's public key when you do not hold the signing key):</p><pre>forgetful verify "
+            f"{html.escape(path)}</pre><p><small>The check recomputes every log entry from the certificates and pages "
+            f"it names, the Merkle root and its Ed25519 signature against a key from outside the workspace, this "
+            f"certificate's inclusion proof, and reports any memory "
             f"whose refit check or post-deletion scan did not pass. The log held "
             f"{cert.get('log_size_before', '?')} certificates before this one.</small></p></body></html>")

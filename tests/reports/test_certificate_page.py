@@ -27,6 +27,9 @@ def test_a_verified_certificate_states_its_status_first_and_how_to_check_it():
     # decrement states its scope in words, and the measured distance to a replay
     assert "<b>Not</b> equal to it" in page and "cohort memory: evicted tokens" in page
     assert "17 only after the replay" in page and "at most 3.10e-02" in page
+    # a small count of stays is hidden, and so is the count of icustays events that would give it away
+    small = render_certificate_html(CERT | {"removed": CERT["removed"] | {"events_by_table": {"icustays": 4}}})
+    assert "&lt;11" in small and "&lt;22" in small and "<td>4</td>" not in small
 
 
 def test_a_failed_check_is_not_called_verified_and_empty_fields_are_explained():
