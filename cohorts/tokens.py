@@ -218,8 +218,8 @@ def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
     names = [c.name for c in channels]
     hours_per_bin = bin_hours(cfg)
     cohort = build_cohort(store, cfg) if cohort is None else cohort
-    filled, counts = filled_tokens(scan_events(store) if events is None else events, reading_spec(channels, store_codes(store)), cohort, names,
-                                   hours_per_bin)
+    rows = scan_events(store) if events is None else events
+    filled, counts = filled_tokens(rows, reading_spec(channels, store_codes(store)), cohort, names, hours_per_bin)
     scaling = scaling or declared_scaling(cfg, names) or TokenScaling.fit(filled.filter(pl.col("split") == "train"),
                                                                           names)
     check_scaling(scaling, names)

@@ -40,14 +40,15 @@ __all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "check_subject", "delete
            "scan_subject"]
 
 
-def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key, n_jitter):
+def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key, n_jitter, compare):
     t0 = time.perf_counter()
     removed = rewrite_store(ws, txn, sid, subject_hash)
     removed |= remove_stay_artifacts(ws, txn, sid, stay_files)
     _crash_point("staged_store")
     params = derived.recomputable(ws) if mode == "replay" else None
     run = derived.prepare(ws, txn, sid, params) if params else None
-    memories = rewrite_memories(ws, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None)
+    memories = rewrite_memories(ws, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None,
+                                compare=compare)
     _crash_point("staged_memories")
     recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn)) if run else []
     residual = residual_scan(ws, txn, sid, stay_files)
@@ -61,8 +62,10 @@ def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_k
 
 
 def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait_seconds: float = 0.0,
-                   budget_refit_probes: int = 64) -> tuple | None:
+                   budget_refit_probes: int = 64, compare_with_replay: bool = True) -> tuple | None:
     """Delete one subject from the workspace; returns the certificate (dict) and its path.
+    ``compare_with_replay`` (decrement): measure the decremented memory's distance to a replay without the
+    subject (it costs that replay).
 
     Raises UnknownSubjectError when the subject is not in the workspace (and was never deleted), AlreadyDeleted
     when it was deleted before, WorkspaceLocked when a run holds the workspace, DeletionFailed when a check fails
@@ -84,7 +87,7 @@ def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait
         txn = Transaction(ws.root)
         try:
             cert, name = _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key,
-                                         budget_refit_probes)
+                                         budget_refit_probes, compare_with_replay)
         except BaseException:
             txn.abort()
             raise

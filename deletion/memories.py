@@ -56,7 +56,7 @@ def _stage(txn, ckpt, cm):
     return staged
 
 
-def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple | None:
+def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare: bool = True) -> tuple | None:
     """Every checkpoint holding the subject's tokens, exactly decremented and verified; every checkpoint that
     was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
     per checkpoint."""
@@ -80,7 +80,8 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int) -> tuple
             digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
             verification[c.name] = _verify(cm, removed_keys, n_jitter)
             if c == ws.checkpoints()[-1]:
-                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, sid, cm, removed_keys)
+                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, sid, cm, removed_keys) \
+                    if compare else {"not_measured": "asked not to (it costs a replay of the cohort memory)"}
         _stage(txn, c, cm)
     return memories, verification, digests
 
@@ -179,8 +180,10 @@ def replayed_memory_info(ws: Workspace, txn: Transaction) -> dict | None:
 
 
 def rewrite_memories(ws: Workspace, txn: Transaction, sid: int, mode: str, n_jitter: int,
-                     scaler: TokenScaling | None = None) -> tuple[dict, dict, dict]:
-    memories, verification, digests = decrement(ws, txn, sid, n_jitter) if mode == "decrement" else \
+                     scaler: TokenScaling | None = None, compare: bool = True) -> tuple[dict, dict, dict]:
+    """The cohort memory without the subject: ``decrement`` (``compare``: measure its distance to a replay) or
+    ``replay`` (under ``scaler`` when the deletion recomputed the token scaling)."""
+    memories, verification, digests = decrement(ws, txn, sid, n_jitter, compare) if mode == "decrement" else \
         replay(ws, txn, sid, n_jitter, scaler)
     failed = [n for n, v in verification.items() if not v["passed"]]
     if failed:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--mode", choices=("decrement", "replay"), default="decrement",
                     help="cohort memory: exact decrement, or re-stream without the patient")
     de.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a running scheduled run")
+    de.add_argument("--no-replay-comparison", action="store_true",
+                    help="decrement: do not measure the memory's distance to a replay without the patient (the "
+                         "certificate then says it was not measured; measuring costs that replay)")
     ve = sub.add_parser("verify", help="re-check a deletion certificate and the whole ledger chain",
                         formatter_class=fmt)
     ve.add_argument("certificate", help="path of a certificate (WS/certificates/NNNNNN.json)")
@@ -216,7 +219,8 @@ def _delete(args):
     # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
     subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
     with shared_api_server():
-        state = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait, return_state=True)
+        state = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait,
+                               compare_with_replay=not args.no_replay_comparison, return_state=True)
     reason = refusal_reason(state)
     if reason is not None:
         print(f"forgetful: error: {reason}", file=sys.stderr)

@@ -313,7 +313,7 @@ def refusal_reason(state: State) -> str | None:
 
 @flow(name="forgetful-delete-patient")
 def delete_patient(root: str | Path, subject_hash: str, mode: str = "decrement",
-                   wait_seconds: float = 60.0) -> dict | None:
+                   wait_seconds: float = 60.0, compare_with_replay: bool = True) -> dict | None:
     """Delete the subject whose keyed hash is ``subject_hash`` (:func:`pipeline.privacy.keyed_hash` under the
     workspace's key): Prefect's database, logs and results see the hash, never the raw id.
 
@@ -322,7 +322,8 @@ def delete_patient(root: str | Path, subject_hash: str, mode: str = "decrement",
     unknown subject) is a Failed state carrying its one-line reason, not an exception's traceback."""
     ws = Workspace(root)
     try:
-        cert, path = delete_subject(ws, resolve_subject(ws, subject_hash), mode=mode, wait_seconds=wait_seconds)
+        cert, path = delete_subject(ws, resolve_subject(ws, subject_hash), mode=mode, wait_seconds=wait_seconds,
+                                    compare_with_replay=compare_with_replay)
     except AlreadyDeleted as e:
         get_run_logger().info("nothing to do: %s", e)
         return {"already_deleted": str(e)}

@@ -107,6 +107,9 @@ def _difference(v: dict) -> str:
     d = v.get("never_saw_difference")
     if not d:
         return ""
+    if "not_measured" in d:
+        return (f"<p>The distance to a replay without the patient was not measured "
+                f"({html.escape(d['not_measured'])}).</p>")
     return (f"<p>Against the memory a replay without the patient gives: {d['tokens_only_in_decremented']} token(s) "
             f"held only after the decrement, {d['tokens_only_in_replayed']} only after the replay; on "
             f"{d['probe_queries']} probe queries the outputs differ by at most {_number(d['max_output_deviation'])} "

@@ -25,7 +25,8 @@ LABEL_TITLES = {"composite_vitals": "Composite vital-sign deterioration (shares 
 # Retrieval reads out with the nearest kept token (the argmax of the RBF over the kept keys, taken per key), not
 # the paper's synthetic rare-item readout (kernel weight summed per group); bench/rare_items_bench.py runs both.
 METRIC_TITLES = {"retention": "labelled tokens kept (fraction)", "retrieval": "retrieval of a labelled token: is "
-                 "the kept token nearest to it (RBF readout, nearest-token) labelled? (fraction)", "retention_hour_end": "held at each labelled hour's end (fraction)",
+                 "the kept token nearest to it (RBF readout, nearest-token) labelled? (fraction)",
+                 "retention_hour_end": "held at each labelled hour's end (fraction)",
                  "certified_fraction": "certified evictions (fraction)",
                  "certificate_expiry": "certified evictions active in the full-history solve (fraction)",
                  "output_deviation": "readout deviation from the full context", "budget_k": "budget k = |S u E|"}

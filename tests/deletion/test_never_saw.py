@@ -100,7 +100,8 @@ def assert_equal_workspaces(a, b):
     na, nb = dict(numbers(ra)), dict(numbers(rb))
     assert na.keys() == nb.keys()
     assert [p for p in na if not np.isclose(na[p], nb[p], rtol=0, atol=1e-12, equal_nan=True)] == []
-    assert sorted(p.name for p in a.stay_memories.glob("*.npz")) == sorted(p.name for p in b.stay_memories.glob("*.npz"))
+    names = [sorted(p.name for p in w.stay_memories.glob("*.npz")) for w in (a, b)]
+    assert names[0] == names[1]
 
 
 @pytest.fixture(scope="module")
