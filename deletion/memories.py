@@ -61,7 +61,8 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare:
     was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
     per checkpoint."""
     memories, verification, digests, rows_of, ref = {}, {}, {}, {}, owner(ws, sid)
-    for c in ws.checkpoints():
+    ckpts = ws.checkpoints()
+    for c in ckpts:
         cm = CohortMemory.load(c)
         tokens = cm.tokens_of(ref)
         order, keys = _subject_rows(ws, c, sid, rows_of)
@@ -79,7 +80,7 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare:
             memories[c.name] = len(tokens)
             digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
             verification[c.name] = _verify(cm, removed_keys, n_jitter)
-            if c == ws.checkpoints()[-1]:
+            if c == ckpts[-1]:
                 verification[c.name]["never_saw_difference"] = never_saw_difference(ws, sid, cm, removed_keys) \
                     if compare else {"not_measured": "asked not to (it costs a replay of the cohort memory)"}
         _stage(txn, c, cm)

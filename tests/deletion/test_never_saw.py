@@ -9,13 +9,13 @@ import numpy as np
 import polars as pl
 import pytest
 
-from cohorts.definitions import install_config, is_eval_subject, load_config, resolve_config, workspace_config
+from cohorts.definitions import install_config, is_eval_subject, resolve_config, workspace_config
 from cohorts.protocols import score_token_streams
 from cohorts.provenance import provenance
 from cohorts.runs import (prepare_token_run, run_metadata, run_statistics, score_pending, scoring_plan,
                           update_cohort_memory)
 from deletion import delete_subject
-from memory.cohort import CohortMemory
+from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.meds import shard_files
@@ -104,6 +104,23 @@ def assert_equal_workspaces(a, b):
     assert names[0] == names[1]
 
 
+def never_saw(source, tmp_path, sid, config=None):
+    """A workspace run on the source without the subject (with ``config`` installed when given)."""
+    never = Workspace(tmp_path / "never")
+    if config is not None:
+        install_config(never.root, str(config))
+    extract(without(source, tmp_path / "source-without", sid), never.store, key=load_key())
+    run(never)
+    return never
+
+
+def first_subject(ws, eval_split):
+    """The workspace's first subject (by id) of the evaluation split, or of the training split."""
+    cfg = workspace_config(ws.root)
+    return next(s for s in pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
+                if is_eval_subject(s, cfg) == eval_split)
+
+
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     root = tmp_path_factory.mktemp("never-saw")
@@ -118,17 +135,12 @@ def full(tmp_path_factory):
 @pytest.mark.parametrize("split", ["train", "eval"])
 def test_replay_leaves_what_a_run_that_never_saw_the_patient_makes(full, tmp_path, split):
     source, ws = full
-    cfg = load_config()
-    subjects = pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
-    sid = next(s for s in subjects if is_eval_subject(s, cfg) == (split == "eval"))
+    sid = first_subject(ws, split == "eval")
     deleted = copy_ws(ws, tmp_path / "deleted")
     cert, _ = delete_subject(deleted, sid, mode="replay")
     assert cert["never_saw_equivalence"]["not_equal"] == [] and cert["artifacts_marked_stale"] == []
     assert "rare-item vocabulary" in cert["recomputed_without_the_patient"]
-    never = Workspace(tmp_path / "never")
-    extract(without(source, tmp_path / "source-without", sid), never.store, key=load_key())
-    run(never)
-    assert_equal_workspaces(deleted, never)
+    assert_equal_workspaces(deleted, never_saw(source, tmp_path, sid))
 
 
 @pytest.mark.slow
@@ -140,24 +152,18 @@ def test_with_scaling_fitted_to_the_training_split_replay_refits_it_and_replays_
     install_config(ws.root, str(fitted))
     extract(source, ws.store, key=load_key())
     run(ws)
-    cfg = workspace_config(ws.root)
-    sid = next(s for s in pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
-               if not is_eval_subject(s, cfg))
+    sid = first_subject(ws, eval_split=False)
     before = json.loads((ws.checkpoints()[-1] / "token_scaling.json").read_text())
     delete_subject(ws, sid, mode="replay")
     assert json.loads((ws.checkpoints()[-1] / "token_scaling.json").read_text()) != before
-    never = Workspace(tmp_path / "never")
-    install_config(never.root, str(fitted))
-    extract(without(source, tmp_path / "source-without", sid), never.store, key=load_key())
-    run(never)
-    assert_equal_workspaces(ws, never)
+    assert_equal_workspaces(ws, never_saw(source, tmp_path, sid, config=fitted))
 
 
 @pytest.mark.slow
 def test_decrement_states_what_it_leaves_different_and_measures_the_memory_s_distance(full, tmp_path):
     source, ws = full
     deleted = copy_ws(ws, tmp_path / "deleted")
-    owners = {t.split(":")[0] for t in CohortMemory.load(ws.checkpoints()[-1]).memory.token_ids()}
+    owners = {owner_of(t) for t in CohortMemory.load(ws.checkpoints()[-1]).memory.token_ids()}
     sid = next(s for s in pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
                if subject_ref(s, load_key()) in owners)
     try:
