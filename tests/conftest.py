@@ -34,6 +34,17 @@ def prefect_server(tmp_path_factory):
         yield PREFECT_API_URL.value()
 
 
+@pytest.fixture(autouse=True)
+def _environment_per_test():
+    """The CLI, called in-process, sets Prefect's settings in os.environ for its workers (the console log level
+    among them); one test's must not reach a later test's subprocesses (CI ran a verbose CLI test after a quiet
+    one and its log lacked the lines it counts)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(items):
     """A test on a Prefect server (directly or through a workspace built by the flows) is slow: the fast loop,
     ``pytest -m "not slow"``, starts no server."""

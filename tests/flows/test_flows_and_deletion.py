@@ -312,7 +312,7 @@ def test_serve_registers_the_scheduled_run_with_its_cron_schedule(prefect_server
 def test_cli_run_without_a_configured_server_shares_one_and_exits(tmp_path):
     """The README's first command path: no PREFECT_API_URL. One temporary server serves the flow and its
     process-pool workers, and the process exits once Prefect's services have drained into it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_LOGGING"))}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "--verbose", "run", "--out", str(tmp_path / "ws"),
                            "--budgets", "8", "--fractions", "", "--max-events", "60", "--encoder-steps", "0",
