@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
@@ -24,6 +23,7 @@ from cohorts.evaluation import aggregate, run_sweep  # noqa: E402
 from cohorts.runs import save_results, update_cohort_memory  # noqa: E402
 from cohorts.streams import evaluation_streams  # noqa: E402
 from deletion import delete_subject  # noqa: E402
+from deletion.plan import scored_subjects  # noqa: E402
 from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key  # noqa: E402
 from pipeline.extract import extract  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
@@ -60,7 +60,7 @@ def main(argv=None):
     key = load_key()
     pipeline(base, source, key)
     t_full = time.perf_counter() - t0
-    subjects = pl.read_parquet(base.results)["subject_id"].unique().sort().to_list()[:args.deletions]
+    subjects = scored_subjects(base)[:args.deletions]
     t_del, t_rerun = [], []
     for i, sid in enumerate(subjects):
         ws = Workspace(work / f"del{i}")

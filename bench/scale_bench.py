@@ -122,10 +122,13 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
 
 
 def time_deletions(ws: Path, env: dict) -> None:
-    import polars as pl
+    from deletion.plan import scored_subjects
+    from pipeline.workspace import Workspace
+    # the bench's own key, as the commands below read it
+    os.environ.pop("FORGETFUL_HASH_KEY", None)
+    os.environ["FORGETFUL_HASH_KEY_FILE"] = env["FORGETFUL_HASH_KEY_FILE"]
     # an evaluation patient of the cohort (their tokens are in the cohort memory: replay has work to do)
-    subject = int(pl.scan_parquet(ws / "results" / "per_stay.parquet").select(pl.col("subject_id").min()).collect()
-                  .item())
+    subject = scored_subjects(Workspace(ws))[0]
     for mode in ("decrement", "replay"):
         copy = ws.with_name(ws.name + f"-del-{mode}")
         shutil.rmtree(copy, ignore_errors=True)

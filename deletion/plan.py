@@ -108,6 +108,15 @@ def resolve_subject(ws: Workspace, subject_hash: str) -> int:
     raise UnknownSubjectError(f"no subject with keyed hash {subject_hash[:12]}... is in the workspace {ws.root}")
 
 
+def scored_subjects(ws: Workspace) -> list[int]:
+    """The store's subjects (by id, ascending) with rows in the per-stay results, which name them by reference
+    only: the patients whose deletion reaches results and the cohort memory."""
+    refs = set(pl.scan_parquet(ws.results).select(pl.col("subject_ref").unique()).collect()["subject_ref"].to_list())
+    key = store_key(ws.store, ws.root)
+    subjects = pl.scan_parquet(ws.store / "stays.parquet").select(pl.col("subject_id").unique().sort()).collect()
+    return [s for s in subjects["subject_id"].to_list() if subject_ref(s, key) in refs]
+
+
 def results_of(ws: Workspace, sid: int) -> pl.LazyFrame:
     """The subject's rows of the per-stay results, which name them by keyed reference only."""
     return pl.scan_parquet(ws.results).filter(pl.col("subject_ref") == owner(ws, sid))

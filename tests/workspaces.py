@@ -10,6 +10,7 @@ import numpy as np
 
 import polars as pl
 
+from deletion.plan import scored_subjects
 from memory.cohort import CohortMemory
 from pipeline.privacy import load_key, subject_ref
 from pipeline.workspace import Workspace
@@ -23,13 +24,6 @@ def ref(subject_id):
 def copy_ws(ws, dest):
     shutil.copytree(ws.root, dest)
     return Workspace(dest)
-
-
-def scored_subjects(ws):
-    """The subjects (by id, ascending) with rows in the per-stay results, which name them by reference only."""
-    refs = set(pl.read_parquet(ws.results)["subject_ref"].to_list())
-    subjects = pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
-    return [s for s in subjects if ref(s) in refs]
 
 
 def subject_with_memory_tokens(ws):
