@@ -92,6 +92,22 @@ def phase_table(ws: Path, mon: TreeRSS) -> dict:
     return out
 
 
+def bench_env(work: Path) -> dict:
+    """The environment the bench's commands run in: their own Prefect server and PREFECT_HOME, a hash key and a
+    signing key made once in ``work`` (outside every workspace), this checkout on the path."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PREFECT_HOME=str(work / "prefect-home"), FORGETFUL_HASH_KEY_FILE=str(work / "hash.key"),
+               FORGETFUL_SIGNING_KEY_FILE=str(work / "signing.key"), PYTHONPATH=str(ROOT))
+    env.pop("PREFECT_API_URL", None)
+    env.pop("FORGETFUL_HASH_KEY", None)
+    if not (work / "hash.key").exists():
+        subprocess.run(FORGETFUL + ["keygen", str(work / "hash.key")], cwd=ROOT, env=env, check=True)
+    if not (work / "signing.key").exists():
+        subprocess.run(FORGETFUL + ["keygen", str(work / "signing.key"), "--signing"], cwd=ROOT, env=env, check=True)
+    print(f"{os.cpu_count()} cores; work in {work}")
+    return env
+
+
 def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: str = "process",
              reruns: bool = True) -> dict:
     stays = round(fraction * MIMIC_IV_ICU_STAYS)
@@ -173,16 +189,7 @@ def main(argv=None):
         print(f"skipped: the MIMIC-IV demo is not at {a.demo} (see shared/data/README.md)")
         return
     work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-scale-"))
-    work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PREFECT_HOME=str(work / "prefect-home"), FORGETFUL_HASH_KEY_FILE=str(work / "hash.key"),
-               FORGETFUL_SIGNING_KEY_FILE=str(work / "signing.key"), PYTHONPATH=str(ROOT))
-    env.pop("PREFECT_API_URL", None)
-    env.pop("FORGETFUL_HASH_KEY", None)
-    if not (work / "hash.key").exists():
-        subprocess.run(FORGETFUL + ["keygen", str(work / "hash.key")], cwd=ROOT, env=env, check=True)
-    if not (work / "signing.key").exists():
-        subprocess.run(FORGETFUL + ["keygen", str(work / "signing.key"), "--signing"], cwd=ROOT, env=env, check=True)
-    print(f"{os.cpu_count()} cores; work in {work}")
+    env = bench_env(work)
     if a.delete_only:
         time_deletions(a.delete_only, env)
         return

@@ -115,6 +115,25 @@ def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float 
     return dst
 
 
+def without_subject(src: Path, dst: Path, subject_id: int) -> Path:
+    """A copy of the source with none of the subject's rows in any table (the source a run that never saw them
+    reads)."""
+    src, dst = Path(src), Path(dst)
+    shutil.rmtree(dst, ignore_errors=True)
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order = true")
+    for sub in ("hosp", "icu"):
+        (dst / sub).mkdir(parents=True, exist_ok=True)
+        for f in sorted((src / sub).glob("*.csv.gz")):
+            if "subject_id" not in _columns(con, f):
+                shutil.copyfile(f, dst / sub / f.name)
+                continue
+            con.execute(f"COPY (SELECT * FROM read_csv({_lit(f)}, all_varchar=true) "
+                        f"WHERE subject_id IS NULL OR subject_id <> '{int(subject_id)}') "
+                        f"TO {_lit(dst / sub / f.name)} (FORMAT csv, HEADER, COMPRESSION gzip)")
+    return dst
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--demo", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/mimic-iv-demo")

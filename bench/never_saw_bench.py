@@ -1,0 +1,93 @@
+"""Deletion against never having seen the patient, on the real MIMIC-IV demo, artifact by artifact.
+
+    python bench/never_saw_bench.py [--work DIR]
+
+``forgetful run`` on the demo (the CLI with its defaults, as a user runs it); then, for the first subject of the
+training split and the first of the evaluation split: ``forgetful run`` on the demo without any row of theirs,
+and ``forgetful delete`` of them in replay and in decrement mode on copies of the first workspace. Printed per
+subject: each derived artifact's items compared and how many differ from the never-saw run, for both modes
+(``deletion.compare``: tables as multisets of rows, result values by key, cohort-memory weights and report
+numbers within 1e-12), and each command's seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scale_bench import DEMO, bench_env, forgetful  # noqa: E402
+from scale_source import without_subject  # noqa: E402
+
+from cohorts.definitions import is_eval_subject, workspace_config  # noqa: E402
+from deletion.compare import compare_workspaces  # noqa: E402
+from pipeline.workspace import Workspace  # noqa: E402
+
+MODES = ("replay", "decrement")
+
+
+def first_of_each_split(ws: Workspace) -> dict[str, int]:
+    """The first subject (by id) with an ICU stay in the training split and in the evaluation split."""
+    cfg = workspace_config(ws.root)
+    subjects = pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
+    return {split: next(s for s in subjects if is_eval_subject(s, cfg) == (split == "evaluation"))
+            for split in ("training", "evaluation")}
+
+
+def deleted_copy(full: Path, dest: Path, sid: int, mode: str, env: dict) -> tuple[Workspace | None, str]:
+    """A copy of ``full`` with the subject deleted in ``mode``, or None and the refusal's last line."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(full, dest)
+    try:
+        secs, _, _ = forgetful(["delete", "--out", str(dest), "--subject-id", str(sid), "--mode", mode], env)
+    except SystemExit as refused:   # decrement may be refused (the fixed-C memory cannot lose that many tokens)
+        return None, str(refused).strip().splitlines()[-1]
+    return Workspace(dest), f"{secs:.1f} s"
+
+
+def compare_subject(full: Path, work: Path, split: str, sid: int, env: dict) -> None:
+    never = work / f"never-{split}"
+    shutil.rmtree(never, ignore_errors=True)
+    secs, _, _ = forgetful(["run", "--out", str(never), "--source",
+                            str(without_subject(DEMO, work / f"source-without-{split}", sid))], env)
+    print(f"\n{split}-split subject: run without them {secs:.1f} s", flush=True)
+    table = {}
+    for mode in MODES:
+        ws, said = deleted_copy(full, work / f"deleted-{split}-{mode}", sid, mode, env)
+        print(f"  forgetful delete --mode {mode}: {said}", flush=True)
+        if ws is not None:
+            table[mode] = {d.artifact: d for d in compare_workspaces(ws, Workspace(never))}
+    artifacts = next(iter(table.values()), {})
+    print(f"  {'artifact':40s}" + "".join(f"{m + ' vs never-saw':>36s}" for m in table))
+    for name in artifacts:
+        cells = []
+        for mode in table:
+            d = table[mode][name]
+            cells.append("equal" if d.equal else f"{d.differing:,} of {d.compared:,} differ (max {d.max_abs:.3g})")
+        print(f"  {name:40s}" + "".join(f"{c:>36s}" for c in cells), flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=None, help="where sources and workspaces go (default: a temp dir)")
+    a = ap.parse_args(argv)
+    if not DEMO.exists():
+        print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
+        return
+    work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-never-saw-"))
+    env = bench_env(work)
+    full = work / "full"
+    shutil.rmtree(full, ignore_errors=True)
+    secs, _, _ = forgetful(["run", "--out", str(full), "--source", str(DEMO)], env)
+    print(f"run on the demo: {secs:.1f} s", flush=True)
+    for split, sid in first_of_each_split(Workspace(full)).items():
+        compare_subject(full, work, split, sid, env)
+
+
+if __name__ == "__main__":
+    main()

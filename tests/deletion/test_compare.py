@@ -1,0 +1,24 @@
+"""The workspace comparison counts what differs, so an equivalence asserted with it can fail."""
+import json
+import math
+
+import polars as pl
+
+from deletion.compare import RUN_BOOKKEEPING, _numbers, _rows_differing
+
+
+def test_rows_are_compared_as_multisets_with_nulls_equal():
+    a = pl.DataFrame({"code": ["HR", "HR", "SpO2"], "value": [80.0, 80.0, None]})
+    assert _rows_differing(a, a.reverse()) == 0
+    assert _rows_differing(a, a.head(2)) == 1            # the null row only in a
+    assert _rows_differing(a, a.slice(1)) == 1           # a duplicate row once fewer
+    assert _rows_differing(a, a.with_columns(pl.col("value").fill_null(1.0))) == 2
+
+
+def test_report_numbers_within_atol_bookkeeping_left_out_nan_equals_nan(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"x": [1.0, 2.0], "p": math.nan, "seconds": 3, "only_a": 1}))
+    b.write_text(json.dumps({"x": [1.0, 2.0 + 1e-13], "p": math.nan, "seconds": 9}))
+    d = _numbers("report", a, b, atol=1e-12, skip=RUN_BOOKKEEPING)
+    assert (d.compared, d.differing) == (4, 1) and 0 < d.max_abs < 1e-12
+    assert _numbers("report", a, b, atol=0.0, skip=RUN_BOOKKEEPING).differing == 2
