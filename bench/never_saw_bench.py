@@ -2,9 +2,10 @@
 
     python bench/never_saw_bench.py [--work DIR]
 
-``forgetful run`` on the demo (the CLI with its defaults, as a user runs it); then, for the first subject of the
-training split and the first of the evaluation split: ``forgetful run`` on the demo without any row of theirs,
-and ``forgetful delete`` of them in replay and in decrement mode on copies of the first workspace. Printed per
+``forgetful run`` on the demo (the CLI with its defaults, as a user runs it); then, for the training-split subject
+with most events and the evaluation-split subject with most tokens in the cohort memory: ``forgetful run`` on the
+demo without any row of theirs, and ``forgetful delete`` of them in replay and in decrement mode on copies of the
+first workspace. Printed per
 subject: each derived artifact's items compared and how many differ from the never-saw run, for both modes
 (``deletion.compare``: tables as multisets of rows, result values by key, cohort-memory weights and report
 numbers within 1e-12), and each command's seconds.
@@ -12,9 +13,11 @@ numbers within 1e-12), and each command's seconds.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import polars as pl
@@ -26,17 +29,29 @@ from scale_source import without_subject  # noqa: E402
 
 from cohorts.definitions import is_eval_subject, workspace_config  # noqa: E402
 from deletion.compare import compare_workspaces  # noqa: E402
+from deletion.plan import scored_subjects  # noqa: E402
+from memory.cohort import CohortMemory, owner_of  # noqa: E402
+from pipeline.meds import shard_files  # noqa: E402
+from pipeline.privacy import store_key, subject_ref  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
 
 MODES = ("replay", "decrement")
 
 
-def first_of_each_split(ws: Workspace) -> dict[str, int]:
-    """The first subject (by id) with an ICU stay in the training split and in the evaluation split."""
-    cfg = workspace_config(ws.root)
-    subjects = pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
-    return {split: next(s for s in subjects if is_eval_subject(s, cfg) == (split == "evaluation"))
-            for split in ("training", "evaluation")}
+def subjects_that_matter(ws: Workspace, env: dict) -> dict[str, int]:
+    """Per split, the subject whose deletion reaches most: in the training split the one with most events (what
+    the vocabulary and a fitted scaling are computed from), in the evaluation split the one with most tokens in
+    the latest cohort memory."""
+    os.environ.pop("FORGETFUL_HASH_KEY", None)
+    os.environ["FORGETFUL_HASH_KEY_FILE"] = env["FORGETFUL_HASH_KEY_FILE"]
+    cfg, key = workspace_config(ws.root), store_key(ws.store, ws.root)
+    events = (pl.scan_parquet(shard_files(ws.store)).group_by("subject_id").len()
+              .join(pl.scan_parquet(ws.store / "stays.parquet").select("subject_id").unique(), on="subject_id")
+              .sort(["len", "subject_id"], descending=[True, False]).collect())
+    training = next(s for s in events["subject_id"].to_list() if not is_eval_subject(s, cfg))
+    held = Counter(owner_of(t) for t in CohortMemory.load(ws.checkpoints()[-1]).memory.token_ids())
+    evaluation = max(scored_subjects(ws), key=lambda s: (held[subject_ref(s, key)], -s))
+    return {"training": training, "evaluation": evaluation}
 
 
 def deleted_copy(full: Path, dest: Path, sid: int, mode: str, env: dict) -> tuple[Workspace | None, str]:
@@ -68,7 +83,8 @@ def compare_subject(full: Path, work: Path, split: str, sid: int, env: dict) -> 
         cells = []
         for mode in table:
             d = table[mode][name]
-            cells.append("equal" if d.equal else f"{d.differing:,} of {d.compared:,} differ (max {d.max_abs:.3g})")
+            gap = f" (max {d.max_abs:.3g})" if d.max_abs else ""
+            cells.append("equal" if d.equal else f"{d.differing:,} of {d.compared:,} differ{gap}")
         print(f"  {name:40s}" + "".join(f"{c:>36s}" for c in cells), flush=True)
 
 
@@ -85,7 +101,7 @@ def main(argv=None):
     shutil.rmtree(full, ignore_errors=True)
     secs, _, _ = forgetful(["run", "--out", str(full), "--source", str(DEMO)], env)
     print(f"run on the demo: {secs:.1f} s", flush=True)
-    for split, sid in first_of_each_split(Workspace(full)).items():
+    for split, sid in subjects_that_matter(Workspace(full), env).items():
         compare_subject(full, work, split, sid, env)
 
 
