@@ -14,6 +14,7 @@ import argparse
 import math
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import duckdb
 
@@ -65,19 +66,25 @@ def _clone_table(con, src: Path, dst: Path, clones: int) -> None:
                     TO {_lit(dst)} (FORMAT csv, HEADER, COMPRESSION gzip)""")
 
 
+def _each_table(src: Path, dst: Path) -> Iterator[tuple[duckdb.DuckDBPyConnection, Path, Path]]:
+    """Each table of the source and where its copy goes (``dst`` emptied first), with one DuckDB connection."""
+    shutil.rmtree(dst, ignore_errors=True)
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order = true")
+    for sub in ("hosp", "icu"):
+        (dst / sub).mkdir(parents=True, exist_ok=True)
+        for f in sorted((src / sub).glob("*.csv.gz")):
+            yield con, f, dst / sub / f.name
+
+
 def make_source(demo: Path, out: Path, clones: int) -> Path:
     """``clones`` copies of the demo at ``out`` (kept when it already holds that many: the bench reruns)."""
     demo, out = Path(demo), Path(out)
     marker = out / ".clones"
     if marker.exists() and marker.read_text() == str(clones):
         return out
-    shutil.rmtree(out, ignore_errors=True)
-    con = duckdb.connect()
-    con.execute("SET preserve_insertion_order = true")
-    for sub in ("hosp", "icu"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-        for src in sorted((demo / sub).glob("*.csv.gz")):
-            _clone_table(con, src, out / sub / src.name, clones)
+    for con, src, dst in _each_table(demo, out):
+        _clone_table(con, src, dst, clones)
     marker.write_text(str(clones))
     return out
 
@@ -88,50 +95,39 @@ def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float 
     late chart rows for about ``fraction`` of the existing stays (a charting backlog: a copy of each such
     stay's chart rows, one minute later)."""
     demo, src, dst = Path(demo), Path(src), Path(dst)
-    shutil.rmtree(dst, ignore_errors=True)
-    con = duckdb.connect()
-    subjects = [r[0] for r in con.execute(
+    subjects = [r[0] for r in duckdb.sql(
         f"SELECT DISTINCT subject_id FROM read_csv({_lit(demo / 'icu' / 'icustays.csv.gz')}) ORDER BY 1").fetchall()]
     new = subjects[:max(1, round(fraction * len(subjects)))]
     offset = clones * ID_OFFSET
-    for sub in ("hosp", "icu"):
-        (dst / sub).mkdir(parents=True, exist_ok=True)
-        for f in sorted((src / sub).glob("*.csv.gz")):
-            cols = _columns(con, f)
-            if "subject_id" not in cols:
-                shutil.copyfile(f, dst / sub / f.name)
-                continue
-            shifted = ", ".join(_shifted(c, str(offset)) if c in ID_COLUMNS else c for c in cols)
-            parts = [f"SELECT * FROM read_csv({_lit(f)}, all_varchar=true)",
-                     f"SELECT {shifted} FROM read_csv({_lit(demo / sub / f.name)}, all_varchar=true) "
-                     f"WHERE CAST(subject_id AS BIGINT) IN ({', '.join(map(str, new))})"]
-            if f.name == "chartevents.csv.gz":
-                late = ", ".join("strftime(CAST(charttime AS TIMESTAMP) + INTERVAL 1 MINUTE, '%Y-%m-%d %H:%M:%S') "
-                                 "AS charttime" if c == "charttime" else c for c in cols)
-                parts.append(f"SELECT {late} FROM read_csv({_lit(f)}, all_varchar=true) "
-                             f"WHERE hash(stay_id) % {round(1 / fraction)} = 0")
-            con.execute(f"COPY ({' UNION ALL '.join(parts)}) TO {_lit(dst / sub / f.name)} "
-                        f"(FORMAT csv, HEADER, COMPRESSION gzip)")
+    for con, f, out in _each_table(src, dst):
+        cols = _columns(con, f)
+        if "subject_id" not in cols:
+            shutil.copyfile(f, out)
+            continue
+        shifted = ", ".join(_shifted(c, str(offset)) if c in ID_COLUMNS else c for c in cols)
+        parts = [f"SELECT * FROM read_csv({_lit(f)}, all_varchar=true)",
+                 f"SELECT {shifted} FROM read_csv({_lit(demo / f.parent.name / f.name)}, all_varchar=true) "
+                 f"WHERE CAST(subject_id AS BIGINT) IN ({', '.join(map(str, new))})"]
+        if f.name == "chartevents.csv.gz":
+            late = ", ".join("strftime(CAST(charttime AS TIMESTAMP) + INTERVAL 1 MINUTE, '%Y-%m-%d %H:%M:%S') "
+                             "AS charttime" if c == "charttime" else c for c in cols)
+            parts.append(f"SELECT {late} FROM read_csv({_lit(f)}, all_varchar=true) "
+                         f"WHERE hash(stay_id) % {round(1 / fraction)} = 0")
+        con.execute(f"COPY ({' UNION ALL '.join(parts)}) TO {_lit(out)} (FORMAT csv, HEADER, COMPRESSION gzip)")
     return dst
 
 
 def without_subject(src: Path, dst: Path, subject_id: int) -> Path:
     """A copy of the source with none of the subject's rows in any table (the source a run that never saw them
     reads)."""
-    src, dst = Path(src), Path(dst)
-    shutil.rmtree(dst, ignore_errors=True)
-    con = duckdb.connect()
-    con.execute("SET preserve_insertion_order = true")
-    for sub in ("hosp", "icu"):
-        (dst / sub).mkdir(parents=True, exist_ok=True)
-        for f in sorted((src / sub).glob("*.csv.gz")):
-            if "subject_id" not in _columns(con, f):
-                shutil.copyfile(f, dst / sub / f.name)
-                continue
-            con.execute(f"COPY (SELECT * FROM read_csv({_lit(f)}, all_varchar=true) "
-                        f"WHERE subject_id IS NULL OR subject_id <> '{int(subject_id)}') "
-                        f"TO {_lit(dst / sub / f.name)} (FORMAT csv, HEADER, COMPRESSION gzip)")
-    return dst
+    for con, f, out in _each_table(Path(src), Path(dst)):
+        if "subject_id" not in _columns(con, f):
+            shutil.copyfile(f, out)
+            continue
+        con.execute(f"COPY (SELECT * FROM read_csv({_lit(f)}, all_varchar=true) "
+                    f"WHERE subject_id IS NULL OR subject_id <> '{int(subject_id)}') "
+                    f"TO {_lit(out)} (FORMAT csv, HEADER, COMPRESSION gzip)")
+    return Path(dst)
 
 
 def main(argv=None):
