@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
 

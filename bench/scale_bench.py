@@ -94,7 +94,8 @@ def phase_table(ws: Path, mon: TreeRSS) -> dict:
 
 def bench_env(work: Path) -> dict:
     """The environment the bench's commands run in: their own Prefect server and PREFECT_HOME, a hash key and a
-    signing key made once in ``work`` (outside every workspace), this checkout on the path."""
+    signing key made once in ``work`` (outside every workspace), this checkout on the path; the bench's own
+    process reads the same hash key."""
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PREFECT_HOME=str(work / "prefect-home"), FORGETFUL_HASH_KEY_FILE=str(work / "hash.key"),
                FORGETFUL_SIGNING_KEY_FILE=str(work / "signing.key"), PYTHONPATH=str(ROOT))
@@ -104,6 +105,9 @@ def bench_env(work: Path) -> dict:
         subprocess.run(FORGETFUL + ["keygen", str(work / "hash.key")], cwd=ROOT, env=env, check=True)
     if not (work / "signing.key").exists():
         subprocess.run(FORGETFUL + ["keygen", str(work / "signing.key"), "--signing"], cwd=ROOT, env=env, check=True)
+    # the bench itself names patients by the keyed reference the commands' workspaces use
+    os.environ.pop("FORGETFUL_HASH_KEY", None)
+    os.environ["FORGETFUL_HASH_KEY_FILE"] = env["FORGETFUL_HASH_KEY_FILE"]
     print(f"{os.cpu_count()} cores; work in {work}")
     return env
 
@@ -140,9 +144,6 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
 def time_deletions(ws: Path, env: dict) -> None:
     from deletion.plan import scored_subjects
     from pipeline.workspace import Workspace
-    # the bench's own key, as the commands below read it
-    os.environ.pop("FORGETFUL_HASH_KEY", None)
-    os.environ["FORGETFUL_HASH_KEY_FILE"] = env["FORGETFUL_HASH_KEY_FILE"]
     # an evaluation patient of the cohort (their tokens are in the cohort memory: replay has work to do)
     subject = scored_subjects(Workspace(ws))[0]
     for mode in ("decrement", "replay"):

@@ -28,17 +28,20 @@ class ArtifactDifference:
     """One artifact of two workspaces: how many of its items were compared and how many differ.
 
     An item is a row (tables, counted as a multiset), a value (per-stay results, token statistics, report
-    numbers) or a token (cohort memory); ``max_abs`` is the largest absolute difference of a number both hold.
+    numbers) or a token (cohort memory); ``max_abs`` is the largest absolute difference of a number both hold;
+    ``out_of_order`` counts, where both hold the same items, those at another position (a table's row order, the
+    memory's arrival order).
     """
 
     artifact: str
     compared: int
     differing: int
     max_abs: float = 0.0
+    out_of_order: int = 0
 
     @property
     def equal(self) -> bool:
-        return self.differing == 0
+        return self.differing == 0 and self.out_of_order == 0
 
 
 def _rows_differing(a: pl.DataFrame, b: pl.DataFrame) -> int:
@@ -55,28 +58,39 @@ def _rows_differing(a: pl.DataFrame, b: pl.DataFrame) -> int:
     return int(both.select((n_a - n_b).abs().sum()).item())
 
 
-def _table(name: str, a: Path, b: Path, drop: tuple = ()) -> ArtifactDifference:
+def _out_of_place(a: list, b: list) -> int:
+    """Positions at which two sequences of the same items differ (the same items in another order)."""
+    return sum(x != y for x, y in zip(a, b))
+
+
+def _table(name: str, a: Path, b: Path, drop: tuple = (), ordered: bool = True) -> ArtifactDifference:
+    """Rows one file holds more often than the other; with the same rows, ``ordered`` counts the rows out of
+    place (a file's row order is part of what its writer makes)."""
     fa, fb = (pl.read_parquet(p).drop(drop, strict=False) if p.exists() else pl.DataFrame() for p in (a, b))
-    return ArtifactDifference(name, max(fa.height, fb.height), _rows_differing(fa, fb))
+    differing, out_of_order = _rows_differing(fa, fb), 0
+    if ordered and differing == 0 and not fa.equals(fb):
+        out_of_order = _out_of_place(fa.hash_rows().to_list(), fb.hash_rows().to_list())
+    return ArtifactDifference(name, max(fa.height, fb.height), differing, out_of_order=out_of_order)
+
+
+def _summed(name: str, parts: list[ArtifactDifference]) -> ArtifactDifference:
+    """One artifact made of several files (the store's shards, the label files)."""
+    return ArtifactDifference(name, sum(d.compared for d in parts), sum(d.differing for d in parts),
+                              out_of_order=sum(d.out_of_order for d in parts))
 
 
 def event_store(a: Workspace, b: Workspace) -> ArtifactDifference:
     """Event rows, shard by shard (a subject's shard is the same in both; one shard in memory at a time)."""
     names = sorted({p.name for ws in (a, b) for p in shard_files(ws.store)}, key=lambda n: int(Path(n).stem))
-    compared = differing = 0
-    for name in names:
-        # the row's hash and occurrence number are the store's bookkeeping, not the event
-        d = _table("events", a.store / "data" / name, b.store / "data" / name, drop=("event_hash", "occurrence"))
-        compared, differing = compared + d.compared, differing + d.differing
-    return ArtifactDifference("event store rows", compared, differing)
+    # the row's hash and occurrence number are the store's bookkeeping, not the event; a shard's rows are in the
+    # order its subjects' rows arrived, not part of the event either
+    return _summed("event store rows", [_table(name, a.store / "data" / name, b.store / "data" / name,
+                                               drop=("event_hash", "occurrence"), ordered=False) for name in names])
 
 
 def label_files(a: Workspace, b: Workspace) -> ArtifactDifference:
-    compared = differing = 0
-    for name in sorted({p.name for ws in (a, b) for p in ws.labels.glob("*.parquet")}):
-        d = _table(name, a.labels / name, b.labels / name)
-        compared, differing = compared + d.compared, differing + d.differing
-    return ArtifactDifference("MEDS label files", compared, differing)
+    names = sorted({p.name for ws in (a, b) for p in ws.labels.glob("*.parquet")})
+    return _summed("MEDS label files", [_table(name, a.labels / name, b.labels / name) for name in names])
 
 
 def per_stay_results(a: Workspace, b: Workspace) -> ArtifactDifference:
@@ -91,8 +105,12 @@ def per_stay_results(a: Workspace, b: Workspace) -> ArtifactDifference:
                               float(stats["max_abs"].item() or 0.0))
 
 
-def _flat(o, path: str = "", skip: frozenset = frozenset()) -> Iterator[tuple[str, float]]:
-    """Every number of a JSON document, by its path, leaving out keys in ``skip``."""
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _flat(o, path: str = "", skip: frozenset = frozenset()) -> Iterator[tuple[str, object]]:
+    """Every leaf (number, string, bool, null) of a JSON document, by its path, leaving out keys in ``skip``."""
     if isinstance(o, dict):
         for k, v in o.items():
             if k not in skip:
@@ -100,15 +118,22 @@ def _flat(o, path: str = "", skip: frozenset = frozenset()) -> Iterator[tuple[st
     elif isinstance(o, list):
         for i, v in enumerate(o):
             yield from _flat(v, f"{path}[{i}]", skip)
-    elif isinstance(o, (int, float)) and not isinstance(o, bool):
-        yield path, float(o)
+    else:
+        yield path, o
 
 
-def _numbers(name: str, a: Path, b: Path, atol: float, skip: frozenset = frozenset()) -> ArtifactDifference:
-    na, nb = (dict(_flat(json.loads(p.read_text()), skip=skip)) if p.exists() else {} for p in (a, b))
+def _leaves(name: str, a: Path, b: Path, atol: float, skip: frozenset = frozenset(),
+            numbers_only: bool = False) -> ArtifactDifference:
+    """A JSON file's leaves by path: numbers within ``atol`` (NaN beside NaN equal), other leaves exactly;
+    ``numbers_only`` compares the numbers alone."""
+    na, nb = ({k: v for k, v in _flat(json.loads(p.read_text()), skip=skip) if _is_number(v) or not numbers_only}
+              if p.exists() else {} for p in (a, b))
     differing, worst = len(na.keys() ^ nb.keys()), 0.0
     for k in na.keys() & nb.keys():
         x, y = na[k], nb[k]
+        if not (_is_number(x) and _is_number(y)):
+            differing += x != y
+            continue
         if math.isnan(x) and math.isnan(y):
             continue
         gap = abs(x - y)
@@ -120,18 +145,21 @@ def _numbers(name: str, a: Path, b: Path, atol: float, skip: frozenset = frozens
 def cohort_memory(a: Workspace, b: Workspace, atol: float) -> list[ArtifactDifference]:
     """The latest checkpoint's token statistics and memory: tokens only one holds, and weights beyond ``atol``."""
     ca, cb = a.checkpoints()[-1], b.checkpoints()[-1]
-    scaling = _numbers("token statistics (token_scaling.json)", ca / "token_scaling.json",
-                       cb / "token_scaling.json", atol=0.0)
-    wa, wb = (CohortMemory.load(c).memory.alpha_ for c in (ca, cb))
-    common = wa.keys() & wb.keys()
-    gaps = [abs(wa[t] - wb[t]) for t in common]
+    scaling = _leaves("token statistics (token_scaling.json)", ca / "token_scaling.json",
+                      cb / "token_scaling.json", atol=0.0)
+    ma, mb = (CohortMemory.load(c).memory for c in (ca, cb))
+    wa, wb = ma.alpha_, mb.alpha_
+    gaps = [abs(wa[t] - wb[t]) for t in wa.keys() & wb.keys()]
     differing = len(wa.keys() ^ wb.keys()) + sum(g > atol for g in gaps)
+    # the same tokens and weights: their arrival order must match too
+    out_of_order = _out_of_place(ma.token_ids(), mb.token_ids()) if differing == 0 else 0
     return [scaling, ArtifactDifference("cohort memory tokens", len(wa.keys() | wb.keys()), differing,
-                                        max(gaps, default=0.0))]
+                                        max(gaps, default=0.0), out_of_order)]
 
 
 def compare_workspaces(a: Workspace, b: Workspace, atol: float = 1e-12) -> list[ArtifactDifference]:
-    """Every derived artifact of ``a`` against ``b``: tables and results exactly, cohort-memory weights and
+    """Every derived artifact of ``a`` against ``b``: tables (in their order, event rows in any), results and
+    token statistics exactly, the cohort memory's tokens in arrival order with weights within ``atol``, and
     report numbers within ``atol`` (the run's bookkeeping in report.json left out)."""
     memories = [sorted(p.name for p in ws.stay_memories.glob("*.npz")) for ws in (a, b)]
     return [event_store(a, b),
@@ -141,4 +169,5 @@ def compare_workspaces(a: Workspace, b: Workspace, atol: float = 1e-12) -> list[
             ArtifactDifference("per-stay memory files", len(set(memories[0]) | set(memories[1])),
                                len(set(memories[0]) ^ set(memories[1]))),
             *cohort_memory(a, b, atol),
-            _numbers("report.json numbers", a.report_json, b.report_json, atol, skip=RUN_BOOKKEEPING)]
+            _leaves("report.json numbers", a.report_json, b.report_json, atol, skip=RUN_BOOKKEEPING,
+                    numbers_only=True)]
