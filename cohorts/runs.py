@@ -17,7 +17,6 @@ import polars as pl
 from meds import held_out_split, train_split
 
 from memory.cohort import DIGEST_MOD, CohortMemory, history_digest, row_hash
-from memory.encoder import EventEncoder, train_encoder
 from pipeline import progress
 from pipeline.extract import scan_events
 from pipeline.keys import EventKeyer
@@ -27,7 +26,6 @@ from pipeline.privacy import id_refs, store_key
 from .characteristics import death_stays, describe_cohort, token_counts
 from .definitions import (build_cohort, deterioration_hours, is_eval_subject, small_cell_threshold, stay_events,
                           workspace_config)
-from .encoder_data import training_windows
 from .endpoints import endpoints_from_config
 from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
@@ -276,7 +274,10 @@ def stay_memory_paths(ws: Workspace, stay_ids: list) -> list[str]:
 def workspace_event_streams(ws: Workspace, max_events: int | None = None) -> tuple[list, dict]:
     """The events-mode evaluation streams of a workspace (with learned keys when its encoder exists), each
     with the path its per-stay memory is persisted to."""
-    encoder = EventEncoder.load(ws.encoder) if ws.encoder.exists() else None
+    encoder = None
+    if ws.encoder.exists():
+        from memory.encoder import EventEncoder     # torch: ~1.5 s to import, for learned keys only
+        encoder = EventEncoder.load(ws.encoder)
     streams, cohort = evaluation_streams(ws.store, workspace_config(ws.root), max_events=max_events, encoder=encoder)
     paths = stay_memory_paths(ws, [s.stay_id for s in streams])
     return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
@@ -361,6 +362,9 @@ def save_results(ws: Workspace, rows: list) -> Path:
 
 def train_key_encoder(ws: Workspace, steps: int) -> dict:
     """Train the learned-key encoder on the training split's windows and save it; a summary of the loss."""
+    from memory.encoder import train_encoder        # torch: ~1.5 s to import, for learned keys only
+
+    from .encoder_data import training_windows
     (codes, feats, flags), _, _ = training_windows(ws.store, workspace_config(ws.root))
     encoder, history = train_encoder(codes, feats, flags, steps=steps)
     ws.encoder.parent.mkdir(parents=True, exist_ok=True)

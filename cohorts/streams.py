@@ -14,7 +14,6 @@ from pipeline.privacy import stay_ref, subject_ref
 
 from .characteristics import death_stays, describe_cohort
 from .definitions import build_cohort, deterioration_hours, label_events, stay_events
-from .encoder_data import encode
 from .evaluation import EventStream
 from .tokens import build_tokens
 
@@ -34,6 +33,8 @@ def evaluation_streams(store: Path, cfg: dict, max_events: int | None = None,
     Keys are standardised with statistics of the training split only. ``max_events`` keeps the first events
     of each stay (for quick runs); None keeps all.
     """
+    if encoder is not None:
+        from .encoder_data import encode            # torch: ~1.5 s to import, for learned keys only
     cohort = build_cohort(store, cfg)
     raw = stay_events(store, cohort)
     events = label_events(raw, cohort, cfg)

@@ -106,11 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_prefect(verbose):
+    from flows.api_server import default_startup_wait
     # Offline machines: Prefect's server would log an error for every failed telemetry call (users can opt in).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    default_startup_wait()
     if not verbose:
-        # Prefect's INFO lines off the console; they still reach the API (the UI shows them).
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+        # Prefect's log lines off the console, its tracebacks of a failed flow included (the command prints the
+        # reason in one line); they still reach the API (the UI shows them) and --verbose shows them.
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
 
 def _preflight(args):
@@ -211,14 +214,15 @@ def _verify(args):
     return 0
 
 
-def _delete(args):
-    from flows.prefect_flows import delete_patient, refusal_reason, shared_api_server
+def _delete(args, server):
+    from flows.api_server import shared_api_server
+    from flows.prefect_flows import delete_patient, refusal_reason
     from pipeline.privacy import keyed_hash, store_key
     from pipeline.workspace import Workspace
     ws = Workspace(args.out)
     # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
     subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
-    with shared_api_server():
+    with shared_api_server(server):
         state = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait,
                                compare_with_replay=not args.no_replay_comparison, return_state=True)
     reason = refusal_reason(state)
@@ -231,13 +235,14 @@ def _delete(args):
     return 0
 
 
-def _scheduled(args):
-    from flows.prefect_flows import scheduled_run, shared_api_server
+def _scheduled(args, server):
+    from flows.api_server import shared_api_server
+    from flows.prefect_flows import scheduled_run
     params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
                   max_events=args.max_events, cohort_budget=args.cohort_budget, task_runner=args.task_runner,
                   workers=args.workers, encoder_steps=args.encoder_steps, tokens=args.tokens, config=args.config,
                   memory_limit=args.memory_limit)
-    with shared_api_server():
+    with shared_api_server(server):
         if args.cmd == "serve":
             scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
             return 0
@@ -270,26 +275,66 @@ def _run(args):
     if args.cmd in offline:
         return offline[args.cmd](args)
     _preflight(args)
+    from flows.api_server import begin
+    server = begin()
+    # While the server boots: the flows' imports, scikit-learn's among them (memory.libsvm imports it on first
+    # use so that the checks above, before the server starts, do not wait ~1.2 s for it).
+    import flows.prefect_flows  # noqa: F401
+    import sklearn.svm  # noqa: F401
     from pipeline import progress
     progress.configure(True)
-    return _delete(args) if args.cmd == "delete" else _scheduled(args)
+    return _delete(args, server) if args.cmd == "delete" else _scheduled(args, server)
+
+
+def _os_error_line(e: OSError, args) -> str:
+    """A file-system failure in one line: which file, why, and for a full disk the folder and its free space."""
+    import errno
+    import shutil
+    where = e.filename or getattr(args, "out", None) or "."
+    if e.errno == errno.ENOSPC:
+        folder = Path(where).resolve()
+        while not folder.exists():
+            folder = folder.parent
+        free = shutil.disk_usage(folder).free
+        return (f"no space left on the device holding {folder} ({free / 2**20:.0f} MiB free) while writing {where}: "
+                f"free space (a run needs about the source's size again, for the store and its spill files) and "
+                f"run the command again; what it had done is kept or rolled back, nothing is half-written")
+    return f"cannot {'write' if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else 'use'} {where}: " \
+           f"{e.strerror or e}"
+
+
+def _failure(e: Exception, args) -> int:
+    """The exit status of a command that raised ``e``, its reason printed in one line. (The error types are
+    imported here, when one is met: a command's first imports are its own, so its server starts sooner.)"""
+    from cohorts.definitions import CohortConfigError
+    from deletion import AlreadyDeleted, DeletionFailed
+    from flows.api_server import ServerStartError
+    from pipeline.extract import ExtractionError
+    from pipeline.locking import WorkspaceLocked
+    if isinstance(e, AlreadyDeleted):
+        print(f"forgetful: nothing to do: {e}")
+        return 0
+    if isinstance(e, (ExtractionError, CohortConfigError, WorkspaceLocked, DeletionFailed, ServerStartError,
+                      ValueError, KeyError)):
+        print(f"forgetful: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError):
+        print(f"forgetful: error: {_os_error_line(e, args)}", file=sys.stderr)
+        return 2
+    if args.verbose:        # a defect of ours: the traceback with --verbose, one line without
+        raise e
+    print(f"forgetful: internal error: {type(e).__name__}: {e} (run again with --verbose for the traceback; "
+          f"Prefect's UI has the failed flow run's log)", file=sys.stderr)
+    return 1
 
 
 def main(argv: list | None = None) -> int | None:
     args = build_parser().parse_args(argv)
     _quiet_prefect(args.verbose)
-    from cohorts.definitions import CohortConfigError
-    from deletion import AlreadyDeleted, DeletionFailed
-    from pipeline.extract import ExtractionError
-    from pipeline.locking import WorkspaceLocked
     try:
         return _run(args)
-    except AlreadyDeleted as e:
-        print(f"forgetful: nothing to do: {e}")
-        return 0
-    except (ExtractionError, CohortConfigError, WorkspaceLocked, DeletionFailed, ValueError, KeyError) as e:
-        print(f"forgetful: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 -- every failure ends in one line (see _failure)
+        return _failure(e, args)
 
 
 if __name__ == "__main__":

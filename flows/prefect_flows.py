@@ -4,13 +4,8 @@
 ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay rows) are never
 persisted (``persist_result=False``); only the report rendering is cached, by its (aggregate) inputs.
 """
-import fcntl
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -44,42 +39,6 @@ from reports.disclosure import disclosed
 from reports.html import render_report
 
 TASK_RUNNERS = ("process", "thread", "dask")
-
-
-@contextmanager
-def shared_api_server() -> Iterator[None]:
-    """One Prefect API for every process of a run.
-
-    With no ``PREFECT_API_URL`` configured, Prefect starts a temporary server per interpreter, so each
-    process-pool worker (a fresh interpreter) started its own and reported its task runs there, not to the
-    flow's. This starts the temporary server once and exports its URL (settings here, environment for the
-    workers); a configured URL is used as it is. The server is left to Prefect's exit hook: it must outlive
-    the log and event services that drain into it when the interpreter exits.
-    """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-    if PREFECT_API_URL.value():
-        yield PREFECT_API_URL.value()
-        return
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import get_current_settings
-    server = SubprocessASGIServer()
-    # Servers started together on a fresh PREFECT_HOME race on creating its database ("index ... already
-    # exists"): one at a time until the server answers, i.e. until its migrations are done.
-    home = Path(get_current_settings().home)
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / ".forgetful-server-start.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        server.start()
-    # the server must end with this command even when its exit hook never runs (a kill)
-    subprocess.Popen([sys.executable, "-m", "flows.server_watch", str(os.getpid()), str(server.server_process.pid)],
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
-    os.environ["PREFECT_API_URL"] = server.api_url
-    try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
-            yield server.api_url
-    finally:
-        os.environ.pop("PREFECT_API_URL", None)
 
 
 def make_task_runner(kind: str = "process", workers: int | None = None) -> TaskRunner:

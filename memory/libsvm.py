@@ -9,7 +9,6 @@ dual scaled so that 0 <= a_lib <= 1 and sum(a_lib) = nu * n. With n tokens and o
     rho   = k0 - 2 rho_lib / (nu n),          rho_lib = -intercept_ = offset_
 """
 import numpy as np
-from sklearn.svm import OneClassSVM
 
 from .kernels import KERNEL_DIAGONAL
 
@@ -25,6 +24,9 @@ def sklearn_fit(K_tokens: np.ndarray, C: float, tol: float = 1e-12) -> tuple:
         # every token is bound and rho is the top of its interval, min_i (k0 - 2 (K a)_i).
         alpha = np.full(n, 1.0 / n)
         return alpha, float(np.min(KERNEL_DIAGONAL["rbf"] - 2.0 * (K_tokens @ alpha)))
+    # imported on first use: scikit-learn takes ~1.2 s to import, which every command paid before its work
+    # started (a deletion's preflight, a rerun's imports), most of them without fitting anything
+    from sklearn.svm import OneClassSVM
     model = OneClassSVM(kernel="precomputed", nu=min(nu, 1.0), tol=tol, shrinking=False, max_iter=-1)
     model.fit(K_tokens)
     alpha = np.zeros(n)
