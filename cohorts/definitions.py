@@ -10,6 +10,7 @@ import yaml
 
 from pipeline.extract import scan_events
 
+from .config_check import check_config
 from .endpoints import endpoints_from_config
 from .errors import CohortConfigError
 from .predicates import PredicateError, code_expr, code_spec, has_value_bounds, value_expr
@@ -31,11 +32,25 @@ def load_config(path: Path | None = None) -> dict | None:
                                 f"{getattr(e, 'problem', None) or e}") from None
     if not isinstance(cfg, dict):
         raise CohortConfigError(f"cohort config {where} is not a YAML mapping of sections")
+    try:
+        _check_sections(cfg)
+    except CohortConfigError as e:
+        # every problem names the file it is in (a run's config is WS/config.yaml, copied from --config)
+        raise CohortConfigError(str(e) if str(e).startswith("cohort config ") else f"cohort config {where}: {e}") \
+            from None
+    except (TypeError, AttributeError, KeyError) as e:     # a section of the wrong shape (a list for a mapping...)
+        raise CohortConfigError(f"cohort config {where}: a section has the wrong shape ({type(e).__name__}: {e}); "
+                                f"compare it with the shipped {DEFAULT_CONFIG.name}") from None
+    return cfg
+
+
+def _check_sections(cfg: dict) -> None:
     for section, keys in (("cohort", ("min_age", "min_stay_hours")), ("deterioration", ("criteria",)),
                           ("rare_items", ("quantile",)), ("split", ("eval_fraction", "salt"))):
         for k in keys:
             if k not in (cfg.get(section) or {}):
-                raise CohortConfigError(f"cohort config {path or DEFAULT_CONFIG} lacks {section}.{k}")
+                raise CohortConfigError(f"lacks {section}.{k}")
+    check_config(cfg)
     for c in cfg["deterioration"]["criteria"]:
         where = f"criterion {c.get('name')!r}"
         rules = [k for k in ("first_event", "sofa_rise") if k in c] + (["value bounds"] if has_value_bounds(c) else [])
@@ -49,11 +64,8 @@ def load_config(path: Path | None = None) -> dict | None:
             for name, comp in c["components"].items():
                 _checked_codes(comp, f"{where}, component {name!r}")
     _checked_codes({"codes": cfg["cohort"].get("death_codes", [meds.death_code])}, "cohort.death_codes")
-    if not 0.0 <= cfg["split"]["eval_fraction"] <= 1.0:
-        raise CohortConfigError("split.eval_fraction must lie in [0, 1]")
     endpoints_from_config(cfg)
     small_cell_threshold(cfg)
-    return cfg
 
 
 def small_cell_threshold(cfg: dict) -> int:

@@ -25,6 +25,7 @@ import polars as pl
 
 from pipeline.extract import scan_events, store_codes
 
+from .config_check import check_token_labels
 from .definitions import CohortConfigError, build_cohort, label_events, stay_events
 from .predicates import PredicateError, code_spec, matching_codes
 
@@ -248,20 +249,9 @@ def threshold_expr(thresholds: dict) -> pl.Expr:
 
 
 def label_specs(cfg: dict) -> dict:
-    specs = cfg.get("token_labels") or {}
-    if not specs:
-        raise CohortConfigError("cohort config lacks token_labels (needed for hourly tokens)")
-    names = {c.name for c in channels_from_config(cfg)}
-    for name, s in specs.items():
-        if "thresholds" in s:
-            unknown = set(s["thresholds"]) - names
-            if unknown:
-                raise CohortConfigError(f"token label {name!r} thresholds name unknown channel(s) {sorted(unknown)}")
-        elif s.get("from") not in ("deterioration", "rare_items"):
-            raise CohortConfigError(f"token label {name!r} needs thresholds or from: deterioration | rare_items")
-        if s.get("heldout_channel") and s["heldout_channel"] not in names:
-            raise CohortConfigError(f"token label {name!r}: held-out channel {s['heldout_channel']!r} is not a channel")
-    return specs
+    """The config's token labels, checked (:func:`cohorts.config_check.check_token_labels`); channels too."""
+    channels_from_config(cfg)
+    return check_token_labels(cfg)
 
 
 def keyset_of(spec: dict) -> str:

@@ -67,8 +67,10 @@ def _launch(pending: PendingServer) -> None:
     """Start the server process on a free port, and its watcher: the server must end with this command even
     when no exit path of ours runs (a kill)."""
     import prefect
+    from prefect.logging import get_logger
     from prefect.settings import get_current_settings
     pending.port = _free_port()
+    get_logger("server").info("Starting the command's temporary API server on http://127.0.0.1:%d", pending.port)
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
            **get_current_settings().to_environment_variables(exclude_unset=True)}
     pending.process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir",
