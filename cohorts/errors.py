@@ -3,3 +3,8 @@
 
 class CohortConfigError(ValueError):
     """The cohort configuration is missing a field or has an invalid one."""
+
+
+class EmptyRunError(ValueError):
+    """A run would read or score nothing: a configured channel matches no code of the data, no tokens, no
+    evaluation stays. Never a normal-looking report."""

@@ -24,8 +24,9 @@ from pipeline.meds import atomic_write_text, subject_splits_path, write_label_fi
 from pipeline.privacy import id_refs, store_key
 
 from .characteristics import death_stays, describe_cohort, token_counts
+from .coverage import check_run_has_data
 from .definitions import (build_cohort, deterioration_hours, is_eval_subject, small_cell_threshold, stay_events,
-                          workspace_config)
+                          workspace_config, workspace_config_path)
 from .endpoints import endpoints_from_config
 from .evaluation import aggregate
 from .protocols import StreamingSettings, TokenStream, choose_streaming_settings, token_streams
@@ -295,6 +296,7 @@ def prepare_token_run(ws: Workspace, cfg: dict | None = None, chunk_stays: int =
         summary = label_run(ws, index, cfg, chunk_stays=chunk_stays, on_shard=advance)
         write_subject_splits(subject_splits_path(ws.store), subject_splits(ws.store, cfg))
     summary["computed_stays"] = dict(index.computed)
+    check_run_has_data(summary, workspace_config_path(ws.root))
     return index, summary
 
 

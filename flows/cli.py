@@ -128,12 +128,35 @@ def _preflight(args):
         if args.source is not None:
             check_source(args.source)
         load_config(resolve_config(args.config))
+        _check_meds_codes(args, ws)
     elif args.cmd == "delete":
         from deletion import check_subject
         from pipeline.evidence import load_signing_key
         from pipeline.workspace import Workspace
         check_subject(Workspace(args.out), args.subject_id)
         load_signing_key(Workspace(args.out).root)
+
+
+def _check_meds_codes(args, ws) -> None:
+    """A MEDS source must carry the codes of the config the run reads: without --config (and no workspace config
+    yet) the shipped config whose codes it carries is taken, saying so; with one that reads nothing of it, one
+    line naming the config, what it looked for and the source's most frequent codes."""
+    from pipeline.meds import is_meds_dataset, meds_shards
+    if args.source is None or not is_meds_dataset(Path(args.source)):
+        return
+    from cohorts.coverage import check_channels_read, code_counts, suggest_config
+    from cohorts.definitions import WORKSPACE_CONFIG, load_config, resolve_config
+    counts = code_counts(meds_shards(Path(args.source)))
+    in_workspace = (ws.root / WORKSPACE_CONFIG).exists()
+    if args.config is None and not in_workspace:
+        chosen = suggest_config(counts)
+        if chosen not in (None, "default"):
+            print(f"forgetful: {args.source} carries the codes of the shipped config {chosen!r} (not the default's): "
+                  f"using --config {chosen}", file=sys.stderr)
+            args.config = chosen
+    name = args.config or (str(ws.root / WORKSPACE_CONFIG) if in_workspace else "default")
+    path = resolve_config(args.config) if args.config or not in_workspace else ws.root / WORKSPACE_CONFIG
+    check_channels_read(load_config(path), counts, name, f"the MEDS dataset {args.source}")
 
 
 def _print_headline(result: dict):

@@ -281,6 +281,11 @@ def _judge(con, out) -> None:
                md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, {HASHED_CODE}, e.raw_numeric,
                                     e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
         FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
+    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'unusable_stays'").fetchone()[0]:
+        # a MEDS source's stays that have no window: their admission event is quarantined with the reason
+        con.execute("""UPDATE judged SET reason = u.reason FROM unusable_stays u
+                       WHERE judged.source_table = 'meds' AND judged.subject_id = u.subject_id
+                         AND judged.time = u.intime AND judged.code = u.code AND judged.reason IS NULL""")
     con.execute("""CREATE TEMP TABLE numbered AS SELECT *,
                    row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
     seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(d / g)})"

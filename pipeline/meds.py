@@ -281,6 +281,7 @@ def stage_meds(con: duckdb.DuckDBPyConnection, source: Path, shards: list[Path],
 
     Events with no time (MEDS's static measurements) are staged with source_table 'meds_static' and kept."""
     names = set.intersection(*(set(pq.read_schema(p).names) for p in shards))
+    con.execute("CREATE TEMP TABLE unusable_stays (subject_id BIGINT, intime TIMESTAMP, code VARCHAR, reason VARCHAR)")
     stay_table = Path(source) / "stays.parquet"
     if stay_table.exists():
         con.execute(f"CREATE TEMP TABLE stays AS SELECT {', '.join(STAY_COLUMNS)} "
@@ -300,6 +301,9 @@ def stage_meds(con: duckdb.DuckDBPyConnection, source: Path, shards: list[Path],
                         {_optional(names, 'stay_id', 'BIGINT')}, {_optional(names, 'numeric_value', 'VARCHAR')},
                         CASE WHEN time IS NULL THEN 'meds_static' ELSE 'meds' END
                     FROM {src}""")
+
+
+ADMISSION_WITHOUT_DISCHARGE = "icu_admission_without_discharge"
 
 
 def _derive_stays(con: duckdb.DuckDBPyConnection, shards: list[Path], codes: MedsStayCodes) -> None:
@@ -329,4 +333,11 @@ def _derive_stays(con: duckdb.DuckDBPyConnection, shards: list[Path], codes: Med
                             ).fetchone()
     if too_many:
         raise MedsSourceError("a subject has 1,000 or more ICU admissions: derived stay ids would collide")
+    # An admission without a later discharge (or a birth code) has no window: the stay cannot be used, the rest
+    # of the dataset can; its admission event goes to the quarantine with the reason (extract._judge).
+    con.execute(f"""INSERT INTO unusable_stays SELECT DISTINCT m.subject_id, m.time, m.code,
+                        '{ADMISSION_WITHOUT_DISCHARGE}' FROM marks m JOIN stays s
+                        ON m.subject_id = s.subject_id AND m.time = s.intime
+                    WHERE s.outtime IS NULL AND regexp_matches(m.code, ?)""", [codes.admission])
+    con.execute("DELETE FROM stays WHERE outtime IS NULL")
     con.execute("DROP TABLE marks")

@@ -1,0 +1,72 @@
+"""No run succeeds on nothing: a config whose channels match no code of the data is one error naming the config,
+what it looked for and the data's most frequent codes; a MEDS source gets the shipped config it follows."""
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from cohorts.coverage import check_channels_read, code_counts, suggest_config
+from cohorts.definitions import load_config
+from cohorts.errors import EmptyRunError
+from cohorts.runs import prepare_token_run
+from pipeline.extract import extract
+from pipeline.generate import GeneratorConfig, generate
+from pipeline.privacy import load_key
+from pipeline.workspace import Workspace
+
+DEMO_MEDS = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo-meds" / \
+    "mimic_iv_demo_meds_events.parquet"
+
+
+def _counts(codes):
+    return pl.DataFrame({"code": codes, "count": list(range(len(codes), 0, -1))})
+
+
+def test_each_convention_gets_its_shipped_config_and_a_mismatch_names_config_codes_and_hint():
+    etl = _counts(["LAB//220045//bpm", "LAB//220050//mmHg", "LAB//220051//mmHg", "LAB//220210//insp/min",
+                   "LAB//220277//%", "LAB//223762//°C", "ICU_ADMISSION//MICU"])
+    ours = _counts(["CHART//220045", "CHART//220050", "CHART//220051", "CHART//220210", "CHART//220277",
+                    "CHART//223762"])
+    assert suggest_config(etl) == "mimic-iv-meds" and suggest_config(ours) == "default"
+    assert suggest_config(_counts(["X", "Y"])) is None
+    with pytest.raises(EmptyRunError) as e:
+        check_channels_read(load_config(), etl, "default", "the MEDS dataset D")
+    msg = str(e.value)
+    assert msg.startswith("cohort config default reads nothing of the MEDS dataset D: no code matches its channel(s)")
+    assert "hr: ['CHART//220045']" in msg and "LAB//220045//bpm (7)" in msg and "pass --config mimic-iv-meds" in msg
+    check_channels_read(load_config(), ours, "default", "ours")       # reads every channel: no error
+
+
+def test_a_channel_that_reads_nothing_ends_the_run_after_its_labels(tmp_path):
+    source = generate(tmp_path / "source", GeneratorConfig(n_patients=6))
+    ws = Workspace(tmp_path / "ws")
+    extract(source, ws.store, key=load_key())
+    cfg = copy.deepcopy(load_config())
+    cfg["tokens"]["channels"][0]["codes"] = ["CHART//999999"]
+    with pytest.raises(EmptyRunError, match=r"channel\(s\) \['hr'\] read no plausible value"):
+        prepare_token_run(ws, cfg)
+    cfg = copy.deepcopy(load_config())
+    cfg["split"]["eval_fraction"] = 0.0
+    with pytest.raises(EmptyRunError, match="no evaluation stays to score"):
+        prepare_token_run(ws, cfg)
+
+
+@pytest.mark.skipif(not DEMO_MEDS.exists(), reason="the MIMIC-IV demo's MEDS conversion is not in shared/data")
+def test_the_demo_meds_conversion_without_a_config_gets_mimic_iv_meds(tmp_path):
+    from flows.cli import _check_meds_codes
+    (tmp_path / "meds" / "data").mkdir(parents=True)
+    (tmp_path / "meds" / "metadata").mkdir()
+    (pl.read_parquet(DEMO_MEDS).select("subject_id", "time", "code", numeric_value=pl.col("value").cast(pl.Float32))
+     .write_parquet(tmp_path / "meds" / "data" / "0.parquet"))
+    (tmp_path / "meds" / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "demo",
+                                                                             "meds_version": "0.4.0"}))
+    assert code_counts(sorted((tmp_path / "meds" / "data").glob("*.parquet")))["count"].sum() == 916_166
+    args = argparse.Namespace(source=str(tmp_path / "meds"), config=None)
+    _check_meds_codes(args, Workspace(tmp_path / "ws"))
+    assert args.config == "mimic-iv-meds"
+    with pytest.raises(EmptyRunError, match="cohort config default reads nothing of the MEDS dataset"):
+        _check_meds_codes(argparse.Namespace(source=str(tmp_path / "meds"), config="default"),
+                          Workspace(tmp_path / "ws"))
