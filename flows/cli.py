@@ -265,14 +265,31 @@ def _scheduled(args, server):
                   max_events=args.max_events, cohort_budget=args.cohort_budget, task_runner=args.task_runner,
                   workers=args.workers, encoder_steps=args.encoder_steps, tokens=args.tokens, config=args.config,
                   memory_limit=args.memory_limit)
-    with shared_api_server(server):
-        if args.cmd == "serve":
-            scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
-            return 0
-        out = scheduled_run(**params)
+    fresh = not Path(args.out).exists()
+    try:
+        with shared_api_server(server):
+            if args.cmd == "serve":
+                scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
+                return 0
+            out = scheduled_run(**params)
+    except Exception:
+        if fresh:
+            _remove_unstarted_workspace(Path(args.out))
+        raise
     print(f"report: {out['report']}")
     _print_headline(out["result"])
     return 0
+
+
+def _remove_unstarted_workspace(root: Path) -> None:
+    """A first run that failed before its store existed leaves no workspace behind (it held only the lock file
+    and the config it was given, or the embedded data it generated): the next run starts clean. One that got
+    further keeps its workspace, which the next run resumes (extraction is incremental)."""
+    import shutil
+
+    from pipeline.workspace import Workspace
+    if root.is_dir() and not Workspace(root).store.exists():
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _check_out(args) -> None:

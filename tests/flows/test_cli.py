@@ -132,3 +132,59 @@ def test_a_delete_refused_by_the_lock_inside_the_flow_is_one_line(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert "locked" in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr[-3000:]
     assert "Traceback" not in p.stdout + p.stderr
+
+
+def _meds_without_icu_stays(root: Path) -> Path:
+    """A MEDS dataset carrying every channel of mimic-iv-meds but no ICU admission code."""
+    import json
+    from datetime import datetime, timedelta
+    codes = ["LAB//220045//bpm", "LAB//220050//mmHg", "LAB//220051//mmHg", "LAB//220210//insp/min", "LAB//220277//%",
+             "LAB//223762//°C"]
+    rows = [(s, datetime(2150, 1, 1) + timedelta(hours=h), c, 80.0) for s in (1, 2) for h in range(3) for c in codes]
+    (root / "data").mkdir(parents=True)
+    (root / "metadata").mkdir()
+    pl.DataFrame(rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String,
+                               "numeric_value": pl.Float32}, orient="row").write_parquet(root / "data" / "0.parquet")
+    (root / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "t", "meds_version": "0.4.0"}))
+    return root
+
+
+@pytest.mark.slow
+def test_a_refusal_inside_the_flow_is_one_line_and_leaves_no_workspace(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_LOGGING"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    source = _meds_without_icu_stays(tmp_path / "meds")
+    p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--source", str(source), "--config",
+                        "mimic-iv-meds", "--out", str(tmp_path / "ws")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().count("\n") == 0 and "no ICU stays" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.slow
+def test_the_temporary_server_starts_under_a_cpu_hog_and_a_start_too_slow_is_one_line(tmp_path):
+    """Three CPU-bound processes beside the command (a busy workstation): the server's start waits long enough.
+    A wait shorter than any start fails in one line naming the setting, exit 2, nothing written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_LOGGING",
+                                                                     "PREFECT_SERVER_EPHEMERAL"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    code = ("from prefect import flow\nfrom flows.api_server import shared_api_server\n"
+            "@flow\ndef hello():\n    return 1\nwith shared_api_server():\n    assert hello() == 1\nprint('ran')\n")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        ok = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env | {
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}, capture_output=True, text=True, timeout=400)
+    finally:
+        for h in hogs:
+            h.kill()
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("ran"), ok.stderr[-3000:]
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "1"
+    slow = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--out", str(tmp_path / "ws")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert slow.returncode == 2, slow.stderr[-3000:]
+    assert slow.stderr.strip().count("\n") == 0, slow.stderr[-3000:]
+    assert "did not answer within 1 s" in slow.stderr and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in \
+        slow.stderr
+    assert not (tmp_path / "ws").exists()
