@@ -2,14 +2,13 @@
 of them, or that they were deleted before."""
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
 
 from memory.cohort import CohortMemory
-from pipeline.evidence import read_log
+from pipeline.evidence import read_json_object, read_log
 from pipeline.extract import UnknownSubjectError
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import shard_files, shard_of
@@ -79,7 +78,7 @@ def certificate_of(ws: Workspace, subject_hash: str) -> str | None:
     """The name of the certificate issued for ``subject_hash``, or None."""
     for entry in read_log(ws.root).entries:
         path = ws.certificates / str(entry.get("certificate"))
-        if path.is_file() and json.loads(path.read_text()).get("subject_hash") == subject_hash:
+        if path.is_file() and read_json_object(path, "certificate").get("subject_hash") == subject_hash:
             return entry["certificate"]
     return None
 

@@ -42,6 +42,22 @@ class EvidenceError(ValueError):
     """No usable signing key, or a log that cannot be appended to."""
 
 
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object file of the evidence (checkpoint, receipt, certificate); an EvidenceError in one line naming
+    the file when it is empty, truncated or not an object (a damaged file is not a verdict on the log)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise EvidenceError(f"{what} {path} is damaged: {'empty' if not Path(path).read_text().strip() else 'not JSON'}"
+                            f" ({e.msg}, character {e.pos}); restore it from a backup") from None
+    except OSError as e:
+        raise EvidenceError(f"{what} {path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(value, dict):
+        raise EvidenceError(f"{what} {path} is damaged: a JSON {type(value).__name__}, not an object; restore it "
+                            f"from a backup")
+    return value
+
+
 def canonical(obj: dict) -> str:
     return rfc8785.dumps(obj).decode()
 
@@ -228,7 +244,7 @@ def _check_checkpoint(log: Log) -> list:
     path = log.root / CHECKPOINT
     if not path.exists():
         return [] if log.size == 0 else [f"the log has {log.size} entries but no signed checkpoint"]
-    cp = json.loads(path.read_text())
+    cp = read_json_object(path, "the log's signed checkpoint")
     problems = [] if _signature_ok(cp) else ["the log's checkpoint signature does not verify (forged or edited)"]
     if cp.get("size") != log.size or cp.get("root") != log.root_hex():
         problems.append(f"the log ({log.size} entries) does not match its signed checkpoint ({cp.get('size')} "
@@ -291,7 +307,8 @@ def signer_problems(log: Log, receipt: dict | None, anchor: TrustAnchor | None) 
                 f"the key stored in the workspace proves nothing, since whoever rewrites the log can replace it"]
     problems = []
     current = log.root / CHECKPOINT
-    if current.exists() and json.loads(current.read_text()).get("public_key") != anchor.public_key:
+    if current.exists() and read_json_object(current, "the log's signed checkpoint").get("public_key") != \
+            anchor.public_key:
         problems.append(f"the log's checkpoint is signed by another key than the trusted one ({anchor.source})")
     if receipt and receipt.get("checkpoint", {}).get("public_key") != anchor.public_key:
         problems.append(f"the certificate's receipt is signed by another key than the trusted one ({anchor.source})")
@@ -315,7 +332,7 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None,
     if not mine:
         problems.append(f"certificate {cert_path.name} is not in the log")
     rp = receipt_path(cert_path)
-    receipt = json.loads(rp.read_text()) if rp.is_file() else None
+    receipt = read_json_object(rp, "the certificate's receipt") if rp.is_file() else None
     problems += signer_problems(log, receipt, anchor)
     if receipt is None:
         problems.append(f"the inclusion proof of {cert_path.name} (proofs/{rp.name}) is missing")
@@ -330,12 +347,10 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None,
     if saved is not None:
         problems += check_consistency(log, saved, f"the saved checkpoint {saved_checkpoint}")
         current = log.root / CHECKPOINT
-        if current.exists() and json.loads(current.read_text()).get("public_key") != saved.get("public_key"):
+        if current.exists() and read_json_object(current, "the log's signed checkpoint").get("public_key") != \
+                saved.get("public_key"):
             problems.append(f"the log is now signed by another key than the saved checkpoint {saved_checkpoint}")
-    try:
-        cert = json.loads(cert_path.read_text())
-    except json.JSONDecodeError:
-        return problems + [f"certificate {cert_path.name} is not valid JSON"]
+    cert = read_json_object(cert_path, "certificate")
     for name, v in (cert.get("verification") or {}).items():
         if not v.get("passed"):
             problems.append(f"memory {name} failed its refit verification")

@@ -127,3 +127,24 @@ def test_keygen_prints_the_public_key_to_pin(tmp_path, capsys):
     from cryptography.hazmat.primitives import serialization
     key = serialization.load_pem_private_key((tmp_path / "k.pem").read_bytes(), password=None)
     assert public_hex(key) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage, what", [
+    (lambda ws: (ws.root / CHECKPOINT).write_text((ws.root / CHECKPOINT).read_text()[:40]),
+     "the log's signed checkpoint .*checkpoint.json is damaged: not JSON"),
+    (lambda ws: (ws.root / CHECKPOINT).write_text(""), "the log's signed checkpoint .* is damaged: empty"),
+    (lambda ws: (ws.certificates / "000000.json").write_text(""), "certificate .*000000.json is damaged: empty"),
+    (lambda ws: (ws.certificates / "000000.json").write_text("[1, 2]"),
+     "certificate .*000000.json is damaged: a JSON list, not an object"),
+    (lambda ws: (ws.certificates / "proofs" / "000000.json").write_text("{\"checkpoint\": "),
+     "the certificate's receipt .*proofs/000000.json is damaged: not JSON"),
+])
+def test_a_damaged_checkpoint_certificate_or_receipt_is_one_line_exit_2(plain_ws, tmp_path, capsys,  # noqa: F811
+                                                                        damage, what):
+    import re
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    delete_subject(ws, scored_subjects(ws)[0], mode="decrement", compare_with_replay=False)
+    damage(ws)
+    assert main(["verify", str(ws.certificates / "000000.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(f"^forgetful: error: {what}", err), err
