@@ -10,6 +10,7 @@ $(BIN)/forgetful: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -m memory.warmup
 	touch $@
 
 setup: $(BIN)/forgetful

@@ -27,6 +27,7 @@ from cohorts.runs import (TOKEN_MODES, prepare_token_run, run_metadata, run_stat
                           scoring_plan, train_key_encoder, update_cohort_memory, workspace_event_streams, write_phases)
 from cohorts.token_run import StayIndex
 from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject
+from memory.warmup import compile_solver, is_compiled
 from pipeline import progress
 from pipeline.extract import ExtractionError, UnknownSubjectError, extract
 from pipeline.generate import GeneratorConfig, generate
@@ -167,6 +168,9 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
     sweep over their raw events ('events'); parallel over chunks of stays on the flow's task runner."""
     t0 = time.perf_counter()
     ws = Workspace(root)
+    if not is_compiled():       # in the workers, it would stall the first items of scoring, in each at once
+        with progress.step("compiling the exact solver's inner loops (once after an install or upgrade)"):
+            compile_solver()
     n_chunks = chunks or (os.cpu_count() or 1) * 4
     plan = scoring_plan(budgets, fractions)
     memory_budget = plan.memory_budget

@@ -44,19 +44,26 @@ def _plain(name, total, unit):
     second), and a line at least every PLAIN_EVERY_S seconds even while no item finishes (a heartbeat), so no
     long step is silent."""
     t0 = time.perf_counter()
-    state = {"done": 0, "total": total, "mark": 0.1, "last": t0}
+    # the ETA counts from the first finished item: the time before it (workers starting, importing) is paid once,
+    # and counted per item it made the first ETAs of a step several times too long
+    state = {"done": 0, "total": total, "mark": 0.1, "last": t0, "first": None}
     lock, stop = threading.Lock(), threading.Event()
     print(f"{name}...", file=sys.stderr, flush=True)
 
     def line(now):
         done, total = state["done"], state["total"]
         counts = f"{done}/{total} {unit}, " if total else ""
-        eta = f", ETA {(now - t0) / done * max(total - done, 0):.0f} s" if total and done else ""
+        first_at, first_done = state["first"] or (now, done)
+        rate = (now - first_at) / (done - first_done) if done > first_done else None
+        left = max(total - done, 0) if total else None
+        eta = "" if left is None or (rate is None and left) else f", ETA {(rate or 0.0) * left:.0f} s"
         print(f"{name}: {counts}{now - t0:.0f} s{eta}", file=sys.stderr, flush=True)
         state["last"] = now
 
     def advance(n=1):
         with lock:
+            if state["first"] is None:
+                state["first"] = (time.perf_counter(), n)
             state["done"] += n
             done, total, now = state["done"], state["total"], time.perf_counter()
             if total and done / total >= state["mark"] and now - t0 >= 1.0:

@@ -20,3 +20,21 @@ def test_plain_progress_shows_counts_eta_and_a_heartbeat_and_records_the_phase(c
     assert "inner: 4/4 stays" in err and "ETA 0 s" in err and "inner: done in" in err
     names = [n for n, _, _ in progress.phases[-2:]]
     assert names == ["inner", "outer"]
+
+
+def test_the_eta_counts_from_the_first_finished_item_not_the_start(capsys, monkeypatch):
+    """Workers starting up (seconds before the first item) made the first ETAs of a step several times too long."""
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 100.0)
+    progress.configure(True)
+    try:
+        with progress.step("scoring", total=20, unit="stays") as advance:
+            time.sleep(1.2)             # start-up: nothing finishes
+            advance(2)
+            for _ in range(8):
+                time.sleep(0.02)
+                advance(1)
+    finally:
+        progress.configure(False)
+    etas = [int(line.rsplit("ETA ", 1)[1].split()[0]) for line in capsys.readouterr().err.splitlines()
+            if "ETA" in line]
+    assert etas and max(etas) <= 1, etas          # counted from the start, the first would read ~10 s
