@@ -9,6 +9,7 @@ config's and the code's digests it keys every per-stay cache (:mod:`cohorts.stay
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +106,12 @@ def stay_digests(events: pl.DataFrame, stays: pl.DataFrame) -> dict[int, str]:
     return out
 
 
+@functools.cache
 def code_digest() -> str:
     """A digest of the code that computes per-stay results from the store's rows (``memory`` and ``cohorts``;
     a change of extraction changes the rows, which the stays' digests see) and of the numerical libraries'
-    versions: a change of either recomputes every cached stay."""
+    versions: a change of either recomputes every cached stay. Once per process (every stay's cache key holds
+    it: it was read again for each, every source file and five package versions)."""
     from importlib.metadata import PackageNotFoundError, version
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()

@@ -2,7 +2,7 @@
 
 ``scheduled_run`` = ``ingest`` -> ``evaluate`` -> cohort memory update -> ``report``; ``delete_patient`` serves
 ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay rows) are never
-persisted (``persist_result=False``); only the report rendering is cached, by its (aggregate) inputs.
+persisted (``persist_result=False``); nothing is cached by Prefect (the workspace's per-stay caches are).
 """
 import os
 import time
@@ -10,12 +10,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import INPUTS, NO_CACHE
+from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.states import Failed
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from prefect.tasks import Task
+from prefect.utilities.annotations import quote
 
 from cohorts.definitions import CohortConfigError, install_config, workspace_config
 from cohorts.endpoints import endpoints_from_config
@@ -125,11 +126,6 @@ def provenance_task(root: str, source: str | None) -> Provenance:
     return provenance(ws.store, ws.root, source)
 
 
-@task(cache_policy=INPUTS)
-def render_task(result: dict, root: str) -> str:
-    return str(render_report(result, root))
-
-
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def cohort_memory_task(root: str, budget: int, tokens: str) -> dict:
     with progress.step("cohort memory", unit="tokens") as advance:
@@ -207,10 +203,13 @@ def evaluate(root: str | Path, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
     return {"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata}
 
 
-@flow(name="forgetful-report")
-def report(root: str | Path, result: dict) -> str:
+@task(cache_policy=NO_CACHE, persist_result=False)
+def report(root: str, result: dict) -> str:
+    """Render WS/report.html and report.json and publish the headline as Prefect artifacts. A task, not a flow,
+    called with the result quoted: a flow's parameters go to the API whole, and Prefect walks a task's inputs
+    for futures; both cost ~1 s on the result's thousands of summary rows, for a step of 0.2 s."""
     with progress.step("report"):
-        path = render_task(result, str(Workspace(root).root))
+        path = str(render_report(result, root))
     result = disclosed(result)
     headline = [{"protocol": r["protocol"], "tokens": r["tokens"], "label": r["label"], "budget": r["budget"],
                  "policy": r["policy"], "metric": r["metric"], "mean": round(r["mean"], 4),
@@ -258,7 +257,7 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None,
         result["metadata"]["learned_keys_encoder"] = encoder_info or \
             "not trained: learned keys are for raw events (--tokens events with encoder steps > 0)"
         result["metadata"]["cohort_memory"] = cohort_memory_task(str(ws.root), cohort_budget, tokens)
-        path = report(str(ws.root), result)
+        path = report(str(ws.root), quote(result))
         write_phases(ws, started)
     return {"report": path, "result": result}
 

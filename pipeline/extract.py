@@ -400,12 +400,12 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
             _judge(con, out)
         summary.new_events = _write_new(con, out, run_id)
         _summarise(con, changed, summary, manifest, groups)
-        with progress.step("counting the store's codes"):
-            _write_metadata(con, out, source, paths)
+        if changed or summary.new_events or not _metadata_current(out):
+            with progress.step("counting the store's codes"):
+                _write_metadata(con, out, source, paths)
         _write_stays(con, out)
-        if shard_files(out):
-            summary.total_events = int(con.execute(
-                f"SELECT count(*) FROM read_parquet({sql_literal(events_glob(out))})").fetchall()[0][0])
+        # from the shards' footers: a count over every row cost a nightly rerun with nothing new a full scan
+        summary.total_events = sum(pq.ParquetFile(f).metadata.num_rows for f in shard_files(out))
         summary.seconds = time.perf_counter() - t0
         manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events, "tables": sorted(changed)})
         atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1))
@@ -439,6 +439,12 @@ def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:
             .with_columns(pl.when(pl.col("parent").is_not_null()).then(pl.concat_list("parent"))
                           .otherwise(pl.lit(None, dtype=pl.List(pl.String))).alias("parent_codes"))
             .drop("parent"))
+
+
+def _metadata_current(out: Path) -> bool:
+    """Whether the store's codes metadata was written after its last shard was (a deletion rewrites both)."""
+    meta = codes_metadata_path(out)
+    return meta.exists() and all(f.stat().st_mtime_ns <= meta.stat().st_mtime_ns for f in shard_files(out))
 
 
 def _write_metadata(con, out: Path, source: Path, paths: dict) -> None:
