@@ -59,13 +59,17 @@ def _removed(cert: dict, threshold: int) -> str:
     removed = cert.get("removed") or {}
     # two icustays events (admission, discharge) per stay: a small stay count would be worked back from theirs
     stays_hidden = is_small(removed.get("stays", 0), threshold)
+    why_events = (f" <small>(not shown: each ICU stay has an admission and a discharge event here, so this count "
+                  f"would give away the number of stays, which is below {threshold})</small>")
+    why_stays = (f" <small>(1 to {threshold - 1}: counts of stays this small are not shown on a page that may be "
+                 f"shared)</small>")
     rows = [(f"events from <code>{html.escape(t)}</code>",
-             _shown(n, 2 * threshold) if t == "icustays" and stays_hidden else n)
+             f"{_shown(n, 2 * threshold)}{why_events}" if t == "icustays" and stays_hidden else n)
             for t, n in sorted((removed.get("events_by_table") or {}).items())]
     if not rows:
         rows.append(("events", "0 <small>(the store held no event of this patient)</small>"))
-    rows += [(label, _shown(removed.get(key, 0), threshold) if key in COUNTS_OF_STAYS else removed.get(key, 0))
-             for key, label in REMOVED_ITEMS]
+    rows += [(label, f"{_shown(removed.get(key, 0), threshold)}{why_stays}" if key in COUNTS_OF_STAYS and
+              is_small(removed.get(key, 0), threshold) else removed.get(key, 0)) for key, label in REMOVED_ITEMS]
     tokens = removed.get("cohort_memory_tokens") or {}
     rows += [(f"tokens of cohort memory checkpoint <code>{html.escape(c)}</code>", n) for c, n in tokens.items()]
     if not tokens:
@@ -135,13 +139,24 @@ def _kept(cert: dict) -> str:
             f"unchanged source does not bring the patient back.</li></ul>")
 
 
+def _ordinal(n) -> str:
+    if not isinstance(n, int):
+        return str(n)
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def render_certificate_html(cert: dict, name: str = "", threshold: int = DEFAULT_THRESHOLD) -> str:
     """The certificate ``cert`` (its JSON, as issued) as one offline HTML page; ``name``: its file name;
     ``threshold``: counts of stays below it show as "<threshold" (the cohort config's small-cell threshold)."""
     cid = cert.get("certificate_id")
     path = f"certificates/{name}" if name else f"certificates/{int(cid):06d}.json" if cid is not None else "CERT"
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate {cid}</title>"
-            f"<style>{STYLE}</style></head><body><h1>Certificate of deletion no. {cid}</h1>{_status(cert)}"
+    # people count certificates from 1; the file and the log count entries from 0
+    number = int(cid) + 1 if isinstance(cid, int) else "?"
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Deletion certificate {number}</title>"
+            f"<style>{STYLE}</style></head><body><h1>Certificate of deletion no. {number}</h1>"
+            f"<p><small>The {_ordinal(number)} deletion of this workspace: file <code>{html.escape(path)}</code>, "
+            f"entry {html.escape(str(cid))} of its log (counted from 0).</small></p>{_status(cert)}"
             f"<h2>Patient</h2><p>Identified only by a keyed hash, "
             f"{html.escape(str(cert.get('hash')))}: "
             f"<code>{html.escape(str(cert.get('subject_hash')))}</code>. The raw identifier is recorded nowhere in "

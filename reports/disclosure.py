@@ -2,7 +2,8 @@
 
 Credentialed-data agreements (MIMIC-IV's among them) forbid publishing a count of fewer than 11 people. Every
 count of patients or stays from 1 to ``threshold - 1`` becomes :class:`Hidden` ("<11", no percentage), and so
-does every cell from which a hidden one could be worked back (complementary suppression):
+does every cell from which a hidden one could be worked back (complementary suppression; such a cell holds a
+larger count and reads "suppressed", since "<11" beside a total it cannot add up to misleads):
 
 * a count of part of a whole (``n`` of ``of``) is hidden when what is left, ``of - n``, is small;
 * a row's splits add up (all = training + evaluation): one hidden split hides the smallest other;
@@ -20,14 +21,22 @@ DEFAULT_THRESHOLD = 11
 PEOPLE = ("stays", "patients")
 
 
+SUPPRESSED = "suppressed"     # a count hidden because a small one could be worked back from it
+
+
 @dataclass(frozen=True)
 class Hidden:
-    """A suppressed count: ``n`` reads "<threshold" (what report.json holds in its place)."""
+    """A hidden count: ``n`` reads "<threshold" for a small count, "suppressed" for a complementary one (what
+    report.json holds in its place)."""
     n: str
 
     @classmethod
     def below(cls, threshold: int) -> Hidden:
         return cls(f"<{threshold}")
+
+    @classmethod
+    def for_count(cls, n: int, threshold: int) -> Hidden:
+        return cls.below(threshold) if is_small(n, threshold) else cls(SUPPRESSED)
 
 
 def is_small(n: int | str, threshold: int) -> bool:
@@ -76,7 +85,7 @@ def _hidden_cells(rows: tuple[Row, ...], threshold: int) -> set:
 
 def suppress_rows(rows: tuple[Row, ...], threshold: int = DEFAULT_THRESHOLD) -> tuple[Row, ...]:
     hidden = _hidden_cells(rows, threshold)
-    return tuple(replace(r, cells=tuple(Hidden.below(threshold) if (i, j) in hidden else c
+    return tuple(replace(r, cells=tuple(Hidden.for_count(c.n, threshold) if (i, j) in hidden else c
                                         for j, c in enumerate(r.cells))) for i, r in enumerate(rows))
 
 
@@ -99,7 +108,7 @@ def _suppress_cohort(cohort: dict, threshold: int) -> dict:
             out[k] = suppress_table(v, threshold) if isinstance(v, CohortTable) else v
         elif "stays" in k and isinstance(v, int):
             whole = cohort.get("eval_stays") if k.startswith("eval_stays_with") else None
-            out[k] = f"<{threshold}" if is_small(v, threshold) or (
+            out[k] = f"<{threshold}" if is_small(v, threshold) else SUPPRESSED if (
                 isinstance(whole, int) and is_small(whole - v, threshold)) else v
         else:
             out[k] = v
@@ -107,7 +116,7 @@ def _suppress_cohort(cohort: dict, threshold: int) -> dict:
     if all(k in out for k in trio) and sum(isinstance(out[k], str) for k in trio) == 1:
         shown = [k for k in trio if isinstance(out[k], int) and out[k] > 0]
         if shown:
-            out[min(shown, key=lambda k: out[k])] = f"<{threshold}"
+            out[min(shown, key=lambda k: out[k])] = SUPPRESSED
     return out
 
 

@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from cohorts.characteristics import CohortTable, Count
 from cohorts.endpoints import EXPLORATORY, FAMILIES, endpoint_of
 
 from .disclosure import disclosed
@@ -30,6 +31,11 @@ METRIC_TITLES = {"retention": "labelled tokens kept (fraction)", "retrieval": "r
                  "certified_fraction": "certified evictions (fraction)",
                  "certificate_expiry": "certified evictions active in the full-history solve (fraction)",
                  "output_deviation": "readout deviation from the full context", "budget_k": "budget k = |S u E|"}
+# A chart's y-axis title is rotated along its 300 px height: the short form of each metric (the chart's heading
+# above it holds the long one); the long titles ran off the figure.
+AXIS_TITLES = {"retention": "fraction kept", "retrieval": "fraction retrieved", "retention_hour_end":
+               "held at the hour's end", "certified_fraction": "certified fraction", "certificate_expiry":
+               "still active", "output_deviation": "readout deviation"}
 
 
 def _is_fraction(budget: str) -> bool:
@@ -74,13 +80,13 @@ def _chart(rows, metric, fractions=False, width=900, height=300, pad=60):
         parts.append(f'<text x="{pad - 6}" y="{Y(v) + 4:.1f}" font-size="11" text-anchor="end">{v:.2g}</text>')
         parts.append(f'<line x1="{pad}" y1="{Y(v):.1f}" x2="{width - pad}" y2="{Y(v):.1f}" stroke="#eee"/>')
     unit = "tokens" if rows[0].get("tokens", "events") == "hourly" else "events"
-    direction = "lower is better" if metric == "output_deviation" else "higher is better"
+    direction = "lower is better" if metric in ("output_deviation", "certificate_expiry") else "higher is better"
     xlabel = (f"memory budget as a fraction of the stay's stream ({unit} kept = fraction x stream length)"
               if fractions else f"memory budget B ({unit} kept, log scale)")
     parts.append(f'<text x="{width / 2}" y="{height - 12}" font-size="12" text-anchor="middle">{xlabel}</text>')
     parts.append(f'<text x="14" y="{height / 2}" font-size="12" text-anchor="middle" '
-                 f'transform="rotate(-90 14 {height / 2})">{html.escape(METRIC_TITLES.get(metric, metric))}, '
-                 f'{direction}</text>')
+                 f'transform="rotate(-90 14 {height / 2})">{html.escape(AXIS_TITLES.get(metric, metric))} '
+                 f'({direction.split()[0]} is better)</text>')
     for pol in sorted({r["policy"] for r in rows}):
         pr = sorted((r for r in rows if r["policy"] == pol), key=lambda r: _budget_value(r["budget"]))
         color = COLORS.get(pol, "#777")
@@ -106,6 +112,7 @@ def _table(summary, paired, metric):
     policies = sorted({r["policy"] for r in summary if r["metric"] == metric})
     idx = {(r["budget"], r["policy"]): r for r in summary if r["metric"] == metric}
     pidx = {(r["budget"], r["baseline"]): r for r in paired if r["metric"] == metric}
+    unit = "tokens" if summary and summary[0].get("tokens") == "hourly" else "events"
     head = "".join(f"<th>{html.escape(p)}</th>" for p in policies)
     body = []
     for b in budgets:
@@ -120,7 +127,7 @@ def _table(summary, paired, metric):
                      f" {_p_text(d)}</small>") if d else ""
             cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={_n(r['n'])}</small>"
                          f"{extra}</td>")
-        label = f"{b} events" if b.isdigit() else f"{float(b[1:]):.0%} of stream"
+        label = f"{b} {unit}" if b.isdigit() else f"{float(b[1:]):.0%} of stream"
         body.append(f"<tr><th>{label}</th>{''.join(cells)}</tr>")
     return f"<table><tr><th>budget</th>{head}</tr>{''.join(body)}</table>"
 
@@ -276,6 +283,18 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
     return "".join(parts)
 
 
+def _verdict(d: dict, alpha: float) -> str:
+    """'more', 'less' (SV keeps more or less than the baseline) or 'tied': a difference is claimed only when the
+    Holm-adjusted p is below alpha and the paired interval lies on that side of 0 (never a claim beside an
+    interval that spans 0)."""
+    if d.get("p_holm") is not None and d["p_holm"] < alpha:
+        if d["ci_low"] > 0:
+            return "more"
+        if d["ci_high"] < 0:
+            return "less"
+    return "tied"
+
+
 def _endpoint_item(d: dict, summary: list, alpha: float, size: int) -> str:
     """One declared comparison in words: both policies' means, the paired difference and its CI, the p-values,
     and what they support at the family-wise alpha."""
@@ -284,10 +303,9 @@ def _endpoint_item(d: dict, summary: list, alpha: float, size: int) -> str:
     base = next(iter(_select(summary, policy=d["baseline"], **at)), None)
     rival = html.escape(d["baseline"])
     means = f"SV {sv['mean']:.3f} vs {rival} {base['mean']:.3f}; " if sv and base else ""
-    if d["p_holm"] is not None and d["p_holm"] < alpha:
-        verdict = "<b>SV keeps more</b>" if d["mean_diff"] > 0 else f"<b>{rival} keeps more</b>"
-    else:
-        verdict = f"not told apart at family-wise &alpha; = {alpha:g}"
+    verdict = {"more": "<b>SV keeps more</b>", "less": f"<b>{rival} keeps more</b>"}.get(
+        _verdict(d, alpha), f"not told apart at family-wise &alpha; = {alpha:g}"
+        + (" (the interval spans 0)" if d["ci_low"] <= 0 <= d["ci_high"] else ""))
     return (f"<li><b>{html.escape(endpoint_of(d).describe())}</b>: {means}difference {d['mean_diff']:+.3f} "
             f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] (paired 95% CI, n={_n(d['n'])} stays); sign-flip "
             f"p={d['p_value']:.3g}, Holm-adjusted within the {html.escape(d['family'])} family of {size}: "
@@ -332,12 +350,16 @@ def _headline(summary, paired, declared: dict):
             continue
         d = next(iter(_select(paired, protocol=protocol, tokens=tokens, keys=keys, label=label, budget=budget,
                               metric="retention", baseline=rival["policy"])), None)
-        verdict = "SV keeps most" if best["policy"] == "sv_certified" else \
-            f"SV does <b>not</b> win: {html.escape(best['policy'])} keeps most"
+        tied = d is not None and d["ci_low"] <= 0.0 <= d["ci_high"]
+        if tied:
+            verdict = (f"{'SV' if best['policy'] == 'sv_certified' else html.escape(best['policy'])} has the highest "
+                       f"mean, not told apart from {'SV' if best['policy'] != 'sv_certified' else 'the best other'} "
+                       f"(the paired interval spans 0)")
+        else:
+            verdict = "SV keeps most" if best["policy"] == "sv_certified" else \
+                f"SV does <b>not</b> win: {html.escape(best['policy'])} keeps most"
         diff = (f"; SV&minus;{html.escape(rival['policy'])} {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, "
                 f"{d['ci_high']:+.3f}], {_p_text(d)}") if d else ""
-        if d and d["ci_low"] <= 0.0 <= d["ci_high"]:
-            diff += ": the interval spans 0, so the two are not told apart"
         items.append(f"<li>{text}{verdict}: SV {sv['mean']:.3f}, best other {html.escape(rival['policy'])} "
                      f"{rival['mean']:.3f}{diff} (n={_n(sv['n'])} stays).</li>")
     cert = []
@@ -355,6 +377,67 @@ def _headline(summary, paired, declared: dict):
             f"is not limited by them), with the Wilcoxon signed-rank test beside them for the declared endpoints; "
             f"Holm adjusts within each declared family only. Every other p in this report is exploratory and "
             f"unadjusted: read it as a description, not a finding.</small></p></section>")
+
+
+LABEL_WORDS = {"composite_vitals": "composite vital-sign deterioration", "heldout_spo2": "held-out SpO2 < 90 %",
+               "clinical_criteria": "clinical deterioration criteria", "rare_items": "rare-item"}
+
+
+def _people(table, row: str, split: str) -> str:
+    """A count of the cohort table (stays, patients) as shown: the number, or what hid it."""
+    if table is None:
+        return ""
+    r = next((r for r in table.rows if r.name == row), None)
+    cell = r.cells[table.splits.index(split)] if r is not None and split in table.splits else None
+    return f"{cell.n:,}" if isinstance(cell, Count) else html.escape(str(getattr(cell, "n", "?")))
+
+
+def _lead_sentence(summary: list, paired: list, declared: dict) -> str:
+    """The primary finding in one plain sentence: the first declared primary comparison with both means, the
+    paired difference and its interval; then how the primary family came out as a whole."""
+    alpha = declared.get("alpha", 0.05)
+    primary = [d for d in paired if d.get("family") == "primary"]
+    if not primary:
+        return ("No primary endpoint was measured in this run" + (" (the cohort config declares none)" if not
+                declared.get("primary") else "") + ": every comparison below is exploratory.")
+    d = primary[0]
+    at = {k: d[k] for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
+    sv = next(iter(_select(summary, policy="sv_certified", **at)), None)
+    base = next(iter(_select(summary, policy=d["baseline"], **at)), None)
+    unit = "hours" if d["tokens"] == "hourly" else "events"
+    setting = ("With the paper's fixed context (each policy keeps k = |S &cup; E| tokens, the support of the stay's "
+               "exact solve)" if d["protocol"] == "fixed_context" else
+               f"Streaming each stay through a memory of B = {html.escape(str(d['budget']))} tokens")
+    words = {"more": "more", "less": "less", "tied": "no more and no less, statistically,"}[_verdict(d, alpha)]
+    means = (f"{sv['mean']:.2f} of each stay's {html.escape(LABEL_WORDS.get(d['label'], d['label']))} {unit} "
+             f"against {base['mean']:.2f} for {html.escape(d['baseline'])}") if sv and base else "its labelled tokens"
+    lead = (f"{setting}, SV memory kept {means} (paired difference {d['mean_diff']:+.2f}, 95% CI "
+            f"{d['ci_low']:+.2f} to {d['ci_high']:+.2f}, {_n(d['n'])} stays): {words} than {html.escape(d['baseline'])}")
+    verdicts = [_verdict(x, alpha) for x in primary]
+    tally = (f"across all {len(primary)} primary comparisons SV kept more in {verdicts.count('more')}, less in "
+             f"{verdicts.count('less')}, and {verdicts.count('tied')} were not told apart (Holm, family-wise "
+             f"&alpha; = {alpha:g})")
+    return f"{lead}; {tally}."
+
+
+def _at_a_glance(result: dict, summary: list, paired: list, declared: dict) -> str:
+    """The report's first screen: which data, when, which cohort, and the primary finding in one sentence."""
+    meta, cohort = result.get("metadata") or {}, result.get("cohort") or {}
+    table = cohort.get("characteristics") if isinstance(cohort.get("characteristics"), CohortTable) else None
+    source = str(meta.get("data_source") or "unknown source")
+    name = Path(source).name if "/" in source else source
+    mode = "hourly patient-state tokens" if meta.get("tokens_mode") == "hourly" else "raw events"
+    if table is not None:
+        cohort_words = (f'{_people(table, "ICU stays", "all")} ICU stays of {_people(table, "patients", "all")} '
+                        f'patients; {_people(table, "ICU stays", "eval")} stays of {_people(table, "patients", "eval")}'
+                        f' patients in the evaluation split are scored')
+    else:       # a result without the cohort table (events mode): the stream counts
+        cohort_words = (f'{html.escape(str(cohort.get("stays", "?")))} ICU stays; '
+                        f'{html.escape(str(cohort.get("eval_stays", "?")))} in the evaluation split are scored')
+    return (f'<section id="at-a-glance"><p class="glance"><b>Dataset</b> {html.escape(name)} '
+            f'<small>({html.escape(source)})</small> &middot; <b>run</b> {html.escape(str(meta.get("generated_at")))}'
+            f' &middot; <b>cohort</b> {cohort_words} &middot; <b>stream</b> {mode}</p>'
+            f'<p class="finding"><b>Primary finding.</b> {_lead_sentence(summary, paired, declared)}</p></section>')
 
 
 def _jsonable(o):
@@ -400,8 +483,11 @@ def render_report(result: dict, out_dir: Path | str) -> Path:
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}}
 table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;
 vertical-align:top}}small{{color:#555}}section{{margin-bottom:2em}}th.group{{background:#f3f3f3}}
-pre{{background:#f7f7f7;padding:.5em;overflow-x:auto}}</style></head>
-<body><h1>Forgetful: retention vs. memory budget</h1>
+pre{{background:#f7f7f7;padding:.5em;overflow-x:auto}}
+.glance{{font-size:1.05em;background:#f3f6fa;padding:.6em .8em;border-left:4px solid #2c3e50}}
+.finding{{font-size:1.15em;line-height:1.45;padding:.2em .8em}}</style></head>
+<body><h1>Forgetful: what a certified SV memory keeps of ICU stays</h1>
+{_at_a_glance(result, summary, paired, result["metadata"].get("declared_endpoints") or {})}
 {_headline(summary, paired, result["metadata"].get("declared_endpoints") or {})}
 {_cohort_memory(result["metadata"].get("cohort_memory"))}
 <p>Fixed context (the paper's protocol): per stay, the exact solve over all its tokens sets the budget

@@ -4,14 +4,18 @@ import html
 from cohorts.characteristics import CohortTable, Count, Spread
 from cohorts.provenance import Provenance
 
-from .disclosure import Hidden
+from .disclosure import SUPPRESSED, Hidden
 
+SMALL_CELLS_NOTE = ("Counts of 1 to 10 people or stays read &ldquo;&lt;11&rdquo; (MIMIC-IV's data use agreement "
+                    "forbids publishing them); a larger count reads &ldquo;suppressed&rdquo; where a hidden one could "
+                    "be worked back from it (a split's total minus its other split, a care unit from the others).")
 SPLIT_TITLES = {"all": "all stays", "train": "training split", "eval": "evaluation split (scored)"}
 
 
 def _fmt(cell) -> str:
     if isinstance(cell, Hidden):
-        return f"{html.escape(cell.n)} <small>(small cell)</small>"
+        why = "would reveal a small cell" if cell.n == SUPPRESSED else "small cell"
+        return f"{html.escape(cell.n)} <small>({why})</small>"
     if isinstance(cell, Count):
         return f"{cell.n:,}" + (f" ({cell.n / cell.of:.0%})" if cell.of else "")
     if isinstance(cell, Spread):
@@ -45,6 +49,7 @@ def cohort_tables(table: CohortTable | None) -> str:
         "<tr><td colspan=\"2\">no row was rejected by the extraction</td></tr>"
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in table.notes)
     return (f'<section id="cohort"><h2>Cohort</h2><table>{head}{_rows(table.rows, table.splits)}</table>'
+            f"<p><small>{SMALL_CELLS_NOTE}</small></p>"
             f"<h3>Clinical deterioration criteria, one by one</h3><table>{head.replace('characteristic', 'criterion')}"
             f"{_rows(table.criteria, table.splits)}</table>"
             f"<h3>Quarantined rows, by the rule that rejected them</h3><table><tr><th>rule</th><th>rows</th></tr>"

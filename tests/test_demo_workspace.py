@@ -3,6 +3,7 @@ cohort memory, report): the shared report shows no small cell, and no raw identi
 derived file (only in the event store, its MEDS label files and the source)."""
 import json
 import re
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -79,3 +80,17 @@ def test_no_raw_subject_admission_or_stay_id_outside_the_store_and_its_label_fil
     assert raw_id_hits(demo.root / "store", ids)              # the scanner finds them where they belong
     assert raw_id_hits(demo.root, ids, skip=("store", "labels", "source")) == []
     assert any(demo.root.glob("memories/cohort/checkpoints/*/memory.npz")) and demo.results.exists()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed on this machine")
+def test_the_demo_reports_first_screen_names_data_date_cohort_and_the_primary_finding(demo, tmp_path):
+    from tests.reports.test_report_screenshot import first_screen
+    report = json.loads(demo.report_json.read_text())
+    rows = {r["name"]: r["cells"] for r in report["cohort"]["characteristics"]["rows"]}
+    stays, patients = rows["ICU stays"][0]["n"], rows["patients"][0]["n"]
+    screen = first_screen(demo.report_html, tmp_path)
+    assert screen["bottom"] <= screen["height"], screen
+    text = screen["text"]
+    assert f"cohort {stays:,} ICU stays of {patients:,} patients" in text, text
+    assert "Primary finding. With the paper's fixed context" in text and "SV memory kept" in text, text
+    assert report["metadata"]["generated_at"] in text

@@ -42,3 +42,14 @@ def test_a_failed_check_is_not_called_verified_and_empty_fields_are_explained():
     page = render_certificate_html(empty)
     assert "the store held no event of this patient" in page
     assert "held none of this patient's tokens" in page and "No report is left stale" in page
+
+
+def test_certificates_are_numbered_from_1_and_a_hidden_count_says_why():
+    page = render_certificate_html(CERT | {"certificate_id": 0,
+                                           "removed": CERT["removed"] | {"events_by_table": {"icustays": 4}}},
+                                   "000000.json")
+    assert "Certificate of deletion no. 1</h1>" in page and "no. 0" not in page
+    assert "The 1st deletion of this workspace: file <code>certificates/000000.json</code>, entry 0 of its log" in page
+    assert "each ICU stay has an admission and a discharge event here, so this count would give away the number " \
+           "of stays, which is below 11" in page
+    assert "counts of stays this small are not shown" in page

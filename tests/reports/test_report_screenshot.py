@@ -57,7 +57,8 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     text = path.read_text()
     assert '<section id="headline">' in text and "Holm" in text
     assert 'aria-label="retention at the headline budget, per label and protocol"' in text
-    assert "labelled tokens kept (fraction), higher is better" in text and "memory budget B (events" in text
+    assert "fraction kept (higher is better)" in text and "memory budget B (events" in text
+    assert "8 events" in text and "8 tokens" not in text        # the units of the stream mode
     assert "memory budget as a fraction of the stay's stream" in text
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -73,3 +74,35 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     reds = sum(1 for row in rows for i in range(0, len(row) - 2, channels)
                if row[i] > 150 and row[i + 1] < 90 and row[i + 2] < 90)
     assert reds > 50
+
+
+def first_screen(report, tmp_path, width=1400, height=900) -> dict:
+    """What a person sees of ``report`` without scrolling, in a real browser: a copy with a script that, after
+    layout, writes the bottom edge and text of the report's opening section into the DOM (the report itself has
+    no script), read back with --dump-dom."""
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.read_text().replace("</body>", """<script>
+const s = document.getElementById("at-a-glance"), b = s ? s.getBoundingClientRect().bottom : 1e9;
+document.body.setAttribute("data-bottom", String(b));
+document.body.setAttribute("data-text", s ? s.innerText.replace(/\\s+/g, " ") : "");
+</script></body>"""))
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile-dom'}", f"--window-size={width},{height}",
+                          "--dump-dom", probe.as_uri()], check=True, capture_output=True, text=True, timeout=120).stdout
+    import html as html_lib
+    import re
+    attrs = dict(re.findall(r'data-(bottom|text)="([^"]*)"', dom))
+    return {"bottom": float(attrs["bottom"]), "text": html_lib.unescape(attrs["text"]), "height": height}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed on this machine")
+def test_the_first_screen_says_which_data_when_which_cohort_and_the_primary_finding(tmp_path):
+    result = hand_result()
+    result["metadata"] |= {"data_source": "/data/mimic-iv-3.1", "generated_at": "2026-12-06 03:00:00 UTC",
+                           "tokens_mode": "events"}
+    screen = first_screen(render_report(result, tmp_path), tmp_path)
+    assert screen["bottom"] <= screen["height"], screen          # all of it without scrolling
+    text = screen["text"]
+    for what in ("Dataset mimic-iv-3.1", "run 2026-12-06 03:00:00 UTC", "cohort <11 ICU stays", "Primary finding."):
+        assert what in text, (what, text)
