@@ -33,7 +33,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from . import progress
-from .extract_rules import (EVENT_TABLES, HASHED_CODE, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader,
+from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint, csv_reader,
                             dictionary_selects, event_selects, quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
                    codes_metadata_path, events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files,
@@ -279,7 +279,7 @@ def _judge(con, out) -> None:
     con.execute(f"""CREATE TEMP TABLE judged AS
         SELECT e.* REPLACE (NULLIF(e.text_value, '') AS text_value), {quarantine_reason()} AS reason,
                md5(concat_ws('|', e.source_table, e.subject_id, e.raw_time, {HASHED_CODE}, e.raw_numeric,
-                                    e.text_value, e.unit, e.hadm_id, e.stay_id)) AS event_hash
+                                    {HASHED_TEXT}, e.unit, e.hadm_id, e.stay_id)) AS event_hash
         FROM staged e LEFT JOIN stays s ON e.stay_id = s.stay_id""")
     if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'unusable_stays'").fetchone()[0]:
         # a MEDS source's stays that have no window: their admission event is quarantined with the reason

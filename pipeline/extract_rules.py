@@ -53,13 +53,17 @@ EVENT_TABLES = ("patients", "admissions", "transfers", "icustays", "labevents", 
                 "microbiologyevents")
 # Tables without event times of their own, dated by their admission's discharge (as the community ETL does).
 DATED_BY_DISCHARGE = ("diagnoses_icd", "drgcodes")
-# MEDS's death code; the date of death alone (patients.dod) stays distinguishable under its own code.
+# MEDS's death code for every death, so that a MEDS tool matching MEDS_DEATH exactly (an ACES task) finds them
+# all; a death known only as a date (patients.dod) says so in its text value.
 DEATH_CODE = meds.death_code
-DEATH_DATE_CODE = f"{DEATH_CODE}//DOD"
-# Releases before format 2 coded death DEATH and DEATH//DOD. An event's content hash reads its code under the old
-# name, so a migrated store (codes renamed in place) still recognises the rows it already holds.
-HASHED_CODE = (f"CASE e.code WHEN '{DEATH_CODE}' THEN 'DEATH' WHEN '{DEATH_DATE_CODE}' THEN 'DEATH//DOD' "
-               f"ELSE e.code END")
+DEATH_DATE_ONLY = "date of death only (patients.dod)"
+# Format 3 coded the date of death alone MEDS_DEATH//DOD: ACES's `code: MEDS_DEATH` missed those deaths.
+LEGACY_DEATH_DATE_CODE = f"{DEATH_CODE}//DOD"
+# An event's content hash reads death under the first releases' names (DEATH, DEATH//DOD with no text), so a
+# migrated store, whose codes were renamed in place, still recognises the rows it already holds.
+_DATE_ONLY = f"(e.code = '{DEATH_CODE}' AND e.text_value = '{DEATH_DATE_ONLY}')"
+HASHED_CODE = f"CASE WHEN {_DATE_ONLY} THEN 'DEATH//DOD' WHEN e.code = '{DEATH_CODE}' THEN 'DEATH' ELSE e.code END"
+HASHED_TEXT = f"CASE WHEN {_DATE_ONLY} THEN NULL ELSE e.text_value END"
 # Static measurements (MEDS: no time): the only events not quarantined for a missing time.
 STATIC_CODE_PREFIX = "GENDER//"
 
@@ -180,12 +184,13 @@ def _hospital_selects(table: str, sel) -> list:
     if table == "patients":
         # sex (static: no time), birth at the start of the year anchor_year - anchor_age (MIMIC-IV shifts dates
         # per patient and states the age only at the anchor year), and the date of death where no admission
-        # recorded a death time: a date only, so its own code, MEDS_DEATH//DOD, that no hour-level criterion reads
+        # recorded a death time: MEDS_DEATH at the date's midnight (as the MIMIC-IV MEDS ETL dates it), its text
+        # value saying it is a date only; after discharge, so outside every ICU stay but a same-day one
         birth = "CAST(TRY_CAST(anchor_year AS INT) - TRY_CAST(anchor_age AS INT) AS VARCHAR) || '-01-01 00:00:00'"
         return [sel("NULL::VARCHAR", f"'{STATIC_CODE_PREFIX}' || gender", None, None, None, stay=None, hadm=None)
                 + " WHERE NULLIF(gender, '') IS NOT NULL",
                 sel(birth, "'MEDS_BIRTH'", None, None, None, stay=None, hadm=None),
-                sel("dod", f"'{DEATH_DATE_CODE}'", None, None, None, stay=None, hadm=None)
+                sel("dod", f"'{DEATH_CODE}'", None, f"'{DEATH_DATE_ONLY}'", None, stay=None, hadm=None)
                 + " WHERE NULLIF(dod, '') IS NOT NULL AND NOT died_in_hospital"]
     if table == "emar":
         return [sel("charttime", "'EMAR//' || COALESCE(NULLIF(event_txt, ''), 'UNK') || '//' || "

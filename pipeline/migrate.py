@@ -7,7 +7,9 @@ recognised by its layout):
    and an unsigned hash-chain ledger (entries chained by ``prev`` / ``entry_hash``);
 2. the store as a MEDS dataset (``store/data/K.parquet``, ``store/metadata/``) and the signed transparency log;
    text values could be ``""``, death was coded ``DEATH``, and derived files named stays by their raw id;
-3. this release: null for an empty text value, ``MEDS_DEATH`` / ``MEDS_DEATH//DOD``, no raw id outside the store.
+3. null for an empty text value, ``MEDS_DEATH`` / ``MEDS_DEATH//DOD``, no raw id outside the store;
+4. this release: every death ``MEDS_DEATH`` (a date of death alone says so in its text value), so that MEDS tools
+   matching ``MEDS_DEATH`` find every death.
 
 A migration keeps every event and every piece of deletion evidence: the old ledger and its certificates are kept
 as they were, checked, and sealed by a migration certificate that is the first entry of the signed log (it names
@@ -28,17 +30,17 @@ import numpy as np
 import polars as pl
 
 from .evidence import CHECKPOINT, LEDGER, canonical, load_signing_key, new_entry, read_log, receipt_path, sha256_text
-from .extract_rules import DEATH_CODE, DEATH_DATE_CODE, N_BUCKETS, sql_literal
+from .extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE, N_BUCKETS, sql_literal
 from .locking import workspace_lock
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, codes_metadata_path, shard_of, write_codes_metadata,
                    write_dataset_metadata, write_shard)
 from .privacy import id_refs, stay_ref, store_key
 
-FORMAT = 3
+FORMAT = 4
 FORMAT_FILE = "format.json"
 LEGACY_LEDGER = "ledger-v1.jsonl"
 LEGACY_CERTIFICATES = "legacy-v1"
-OLD_DEATH = {"DEATH": DEATH_CODE, "DEATH//DOD": DEATH_DATE_CODE}
+OLD_DEATH = {"DEATH": DEATH_CODE, "DEATH//DOD": LEGACY_DEATH_DATE_CODE}
 
 
 class MigrationError(ValueError):
@@ -96,8 +98,10 @@ def migrate(root: Path) -> list[str]:
         if v == 1:
             done += _store_from_buckets(store)
             done += _seal_hash_chain_ledger(root, v) if store != root else []
-        done += _meds_conventions(store)
-        done += _derived_without_raw_ids(root) if store != root else []
+        if v < 3:
+            done += _meds_conventions(store)
+            done += _derived_without_raw_ids(root) if store != root else []
+        done += _death_dates_as_meds_death(store)
         (store / FORMAT_FILE).write_text(json.dumps({"format": FORMAT, "migrated_from": v,
                                                      "migrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
     return done + [f"format {v} -> {FORMAT}"]
@@ -193,14 +197,11 @@ def _seal_hash_chain_ledger(root: Path, version: int) -> list[str]:
             f"signed migration entry"]
 
 
-# -- format 2 -> 3 ----------------------------------------------------------------------------------------------
+# -- shared by the steps below ----------------------------------------------------------------------------
 
-def _meds_conventions(store: Path) -> list[str]:
-    """Null for an empty text value and MEDS's death codes, in every shard, the quarantine and the code
-    metadata (event hashes stay: the extraction hashes death under its old name)."""
+def _rewrite_events(store: Path, fix: str) -> None:
+    """Every shard and quarantine file of the store with ``fix`` (a DuckDB REPLACE list) applied."""
     con = duckdb.connect()
-    rename = " ".join(f"WHEN '{a}' THEN '{b}'" for a, b in OLD_DEATH.items())
-    fix = f"CASE code {rename} ELSE code END AS code, NULLIF(text_value, '') AS text_value"
     for f in sorted((store / "data").glob("*.parquet")):
         write_shard(con, f"SELECT * REPLACE ({fix}) FROM read_parquet({sql_literal(f)}) ORDER BY {SHARD_ORDER}", f)
     for f in sorted((store / "quarantine").glob("*.parquet")):
@@ -209,13 +210,27 @@ def _meds_conventions(store: Path) -> list[str]:
                     f"(FORMAT parquet)")
         tmp.replace(f)
     con.close()
+
+
+def _merge_codes(store: Path, renamed: dict) -> None:
+    """The code metadata with codes renamed and the counts of codes now equal summed."""
     path = codes_metadata_path(store)
     if path.exists():
-        codes = pl.read_parquet(path).with_columns(pl.col("code").replace(OLD_DEATH))
+        codes = pl.read_parquet(path).with_columns(pl.col("code").replace(renamed))
         extra = [c for c in codes.columns if c not in ("code", "count")]
         merged = codes.group_by("code", maintain_order=True).agg(pl.col("count").sum(), *[pl.col(c).first()
                                                                                         for c in extra])
         write_codes_metadata(path, merged)
+
+
+# -- format 2 -> 3 ----------------------------------------------------------------------------------------------
+
+def _meds_conventions(store: Path) -> list[str]:
+    """Null for an empty text value and MEDS's death codes, in every shard, the quarantine and the code
+    metadata (event hashes stay: the extraction hashes death under its old name)."""
+    rename = " ".join(f"WHEN '{a}' THEN '{b}'" for a, b in OLD_DEATH.items())
+    _rewrite_events(store, f"CASE code {rename} ELSE code END AS code, NULLIF(text_value, '') AS text_value")
+    _merge_codes(store, OLD_DEATH)
     return ["store: empty text values made null, death coded MEDS_DEATH and MEDS_DEATH//DOD"]
 
 
@@ -256,3 +271,16 @@ def _rename_hour_tokens(npz: Path, key: bytes) -> bool:
         np.savez(tmp, **arrays)
         tmp.replace(npz)
     return changed
+
+
+# -- format 3 -> 4 ----------------------------------------------------------------------------------------------
+
+def _death_dates_as_meds_death(store: Path) -> list[str]:
+    """``MEDS_DEATH//DOD`` -> ``MEDS_DEATH`` with the text value saying it is a date only (event hashes stay:
+    the extraction hashes such a row under its old name)."""
+    _rewrite_events(store, f"CASE WHEN code = '{LEGACY_DEATH_DATE_CODE}' THEN '{DEATH_CODE}' ELSE code END AS code, "
+                           f"CASE WHEN code = '{LEGACY_DEATH_DATE_CODE}' THEN '{DEATH_DATE_ONLY}' ELSE text_value END "
+                           f"AS text_value")
+    _merge_codes(store, {LEGACY_DEATH_DATE_CODE: DEATH_CODE})
+    return [f"store: a date of death alone coded {DEATH_CODE} (was {LEGACY_DEATH_DATE_CODE}), its text value "
+            f"'{DEATH_DATE_ONLY}'"]

@@ -94,3 +94,30 @@ def test_the_demo_reports_first_screen_names_data_date_cohort_and_the_primary_fi
     assert f"cohort {stays:,} ICU stays of {patients:,} patients" in text, text
     assert "Primary finding. With the paper's fixed context" in text and "SV memory kept" in text, text
     assert report["metadata"]["generated_at"] in text
+
+
+DEMO_MEDS = DEMO.parent / "mimic-iv-demo-meds" / "mimic_iv_demo_meds_events.parquet"
+
+
+def _post_discharge_mortality(events: pl.DataFrame) -> pl.DataFrame:
+    """ACES's standard 30-day post-discharge mortality task: one label per hospital discharge (the trigger),
+    true when an event with code exactly MEDS_DEATH (ACES's `code: MEDS_DEATH` predicate) falls in (discharge,
+    discharge + 30 days]. Evaluated with Polars: es-aces pins polars < 2, this project runs polars 2."""
+    disch = (events.filter(pl.col("code").str.starts_with("HOSPITAL_DISCHARGE"))
+             .select("subject_id", pl.col("time").alias("discharge")).unique())
+    deaths = events.filter(pl.col("code") == "MEDS_DEATH").select("subject_id", pl.col("time").alias("death"))
+    inside = (pl.col("death") > pl.col("discharge")) & (pl.col("death") <= pl.col("discharge") + pl.duration(days=30))
+    return (disch.join(deaths, on="subject_id", how="left").with_columns(inside.fill_null(False).alias("label"))
+            .group_by("subject_id", "discharge").agg(pl.col("label").any()).sort("subject_id", "discharge"))
+
+
+@pytest.mark.skipif(not DEMO_MEDS.exists(), reason="the demo's independent MEDS conversion is not in shared/data")
+def test_every_death_is_meds_death_and_aces_mortality_labels_equal_the_independent_conversion(demo):
+    ours = pl.read_parquet(sorted((demo.store / "data").glob("*.parquet")))
+    theirs = pl.read_parquet(DEMO_MEDS)
+    died = {name: set(e.filter(pl.col("code") == "MEDS_DEATH")["subject_id"]) for name, e in
+            (("ours", ours), ("theirs", theirs))}
+    assert died["ours"] == died["theirs"] and len(died["ours"]) == 31
+    assert ours.filter(pl.col("code").str.starts_with("MEDS_DEATH//")).height == 0
+    a, b = _post_discharge_mortality(ours), _post_discharge_mortality(theirs)
+    assert a.equals(b) and a["label"].sum() == 13, (a["label"].sum(), b["label"].sum())

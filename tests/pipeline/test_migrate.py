@@ -1,6 +1,7 @@
 """Workspaces that outlive a release: a workspace of the first format (events/ buckets, an unsigned hash-chain
 ledger) and one of the second (DEATH codes, empty text values, raw ids in results) are migrated, every command
 on an old workspace says to migrate, and a migrated workspace keeps its evidence and takes new deletions."""
+import gzip
 import hashlib
 import json
 import shutil
@@ -12,6 +13,7 @@ from deletion import delete_subject
 from flows.cli import main
 from pipeline.evidence import LEDGER, read_log, verify_certificate
 from pipeline.extract import extract
+from pipeline.extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.meds import codes_metadata_path, shard_files
 from pipeline.migrate import FORMAT, FORMAT_FILE, LEGACY_LEDGER, MigrationError, check_format, migrate, store_format
@@ -19,20 +21,44 @@ from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
 
 OLD_CODES = {"MEDS_DEATH": "DEATH", "MEDS_DEATH//DOD": "DEATH//DOD"}
+DATE_ONLY = (pl.col("code") == DEATH_CODE) & (pl.col("text_value") == DEATH_DATE_ONLY)
+
+
+def _format_3(frame: pl.DataFrame) -> pl.DataFrame:
+    """Events as format 3 coded them: a date of death alone as MEDS_DEATH//DOD with no text."""
+    return frame.with_columns(pl.when(DATE_ONLY).then(pl.lit(LEGACY_DEATH_DATE_CODE)).otherwise(pl.col("code"))
+                              .alias("code"),
+                              pl.when(DATE_ONLY).then(pl.lit(None)).otherwise(pl.col("text_value")).alias("text_value"))
 
 
 @pytest.fixture(scope="module")
 def current(tmp_path_factory):
     root = tmp_path_factory.mktemp("migrate")
     source = generate(root / "source", GeneratorConfig(n_patients=16, seed=5))   # with deaths
+    _death_after_discharge(source)
     ws = Workspace(root / "current")
     extract(source, ws.store, key=load_key())
     return source, ws
 
 
+def _death_after_discharge(source):
+    """A surviving patient's date of death, after discharge (patients.dod alone, as MIMIC-IV records deaths
+    outside the hospital): the generated data has in-hospital deaths only."""
+    path = next((source / "hosp").glob("patients.csv*"))
+    patients = pl.read_csv(path, infer_schema_length=0)
+    first = patients.with_row_index().filter(pl.col("dod").is_null() | (pl.col("dod") == ""))["index"][0]
+    patients = patients.with_columns(pl.when(pl.int_range(pl.len()) == first).then(pl.lit("2199-12-31"))
+                                     .otherwise(pl.col("dod")).alias("dod"))
+    text = patients.write_csv()
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+
+
 def _old_events(ws):
     """The store's events as the old releases wrote them: death under its old codes, "" for empty text."""
-    return (pl.read_parquet(shard_files(ws.store))
+    return (_format_3(pl.read_parquet(shard_files(ws.store)))
             .with_columns(pl.col("code").replace(OLD_CODES),
                           pl.when(pl.col("code").str.starts_with("TRANSFER//")).then(pl.lit(""))
                           .otherwise(pl.col("text_value")).alias("text_value")))
@@ -65,6 +91,12 @@ def format_1(current, dest):
         d.mkdir(parents=True)
         part.drop("bucket").write_parquet(d / "run-20261101T000000-0.parquet")
     codes = pl.read_parquet(codes_metadata_path(ws.store)).with_columns(pl.col("code").replace(OLD_CODES))
+    dod = old.filter(pl.col("code") == "DEATH//DOD").height
+    codes = pl.concat([codes.with_columns(pl.when(pl.col("code") == "DEATH").then(pl.col("count") - dod)
+                                          .otherwise(pl.col("count")).alias("count")),
+                       codes.filter(pl.col("code") == "DEATH").with_columns(pl.lit("DEATH//DOD").alias("code"),
+                                                                          pl.lit(dod, dtype=pl.UInt32).alias("count")
+                                                                          .cast(codes.schema["count"]))])
     codes.select("code", "description", "source_table", "count").write_parquet(dest / "store" / "codes.parquet")
     shutil.rmtree(dest / "store" / "data")
     shutil.rmtree(dest / "store" / "metadata")
@@ -130,7 +162,7 @@ def test_a_second_format_workspace_migrates_its_conventions_and_raw_ids(current,
     ws = Workspace(tmp_path / "v2")
     shutil.copytree(ws_now.store, ws.store)
     for f in shard_files(ws.store):
-        pl.read_parquet(f).with_columns(pl.col("code").replace(OLD_CODES)).write_parquet(f)
+        _format_3(pl.read_parquet(f)).with_columns(pl.col("code").replace(OLD_CODES)).write_parquet(f)
     (ws.store / FORMAT_FILE).unlink()
     stays = pl.read_parquet(ws.store / "stays.parquet")
     ws.results.parent.mkdir(parents=True)
@@ -142,3 +174,20 @@ def test_a_second_format_workspace_migrates_its_conventions_and_raw_ids(current,
     assert set(pl.read_parquet(ws.results).columns) == {"stay_ref", "subject_ref", "value"}
     assert pl.read_parquet(shard_files(ws.store)).sort(pl.all()).equals(
         pl.read_parquet(shard_files(ws_now.store)).sort(pl.all()))
+
+
+def test_a_third_format_store_codes_every_death_meds_death(current, tmp_path):
+    """Format 3 coded a date of death alone MEDS_DEATH//DOD, which ACES's `code: MEDS_DEATH` does not match."""
+    source, ws_now = current
+    ws = Workspace(tmp_path / "v3")
+    shutil.copytree(ws_now.store, ws.store)
+    for f in shard_files(ws.store):
+        _format_3(pl.read_parquet(f)).write_parquet(f)
+    (ws.store / FORMAT_FILE).write_text(json.dumps({"format": 3}))
+    assert pl.read_parquet(shard_files(ws.store)).filter(pl.col("code") == LEGACY_DEATH_DATE_CODE).height
+    steps = migrate(ws.root)
+    assert store_format(ws.store) == FORMAT and any("MEDS_DEATH//DOD" in s for s in steps)
+    order = ["subject_id", "time", "code", "event_hash", "occurrence"]
+    assert pl.read_parquet(shard_files(ws.store)).sort(order).equals(
+        pl.read_parquet(shard_files(ws_now.store)).sort(order))
+    assert extract(source, ws.store, key=load_key()).new_events == 0     # the rows it holds are recognised
