@@ -16,12 +16,11 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scale_bench import DEMO, bench_env, forgetful  # noqa: E402
+from scale_bench import DEMO, demo_run, forgetful  # noqa: E402
 
 from deletion.plan import scored_subjects  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
@@ -41,14 +40,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", type=Path, default=None, help="where workspaces go (default: a temp dir)")
     a = ap.parse_args(argv)
-    if not DEMO.exists():
-        print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
+    made = demo_run(a.work, "forgetful-command-bench-")
+    if made is None:
         return
-    work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-command-bench-"))
-    env = bench_env(work)
-    full = work / "full"
-    shutil.rmtree(full, ignore_errors=True)
-    first, _, _ = forgetful(["run", "--out", str(full), "--source", str(DEMO)], env)
+    work, env, full, first = made
     reruns, work_s = [], []
     for _ in range(a.repeats):
         secs, _, _ = forgetful(["run", "--out", str(full), "--source", str(DEMO)], env)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scale_bench import DEMO, bench_env, forgetful  # noqa: E402
+from scale_bench import DEMO, demo_run, forgetful  # noqa: E402
 from scale_source import without_subject  # noqa: E402
 
 from cohorts.definitions import is_eval_subject, workspace_config  # noqa: E402
@@ -88,14 +87,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=None, help="where sources and workspaces go (default: a temp dir)")
     a = ap.parse_args(argv)
-    if not DEMO.exists():
-        print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
+    made = demo_run(a.work, "forgetful-never-saw-")
+    if made is None:
         return
-    work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-never-saw-"))
-    env = bench_env(work)
-    full = work / "full"
-    shutil.rmtree(full, ignore_errors=True)
-    secs, _, _ = forgetful(["run", "--out", str(full), "--source", str(DEMO)], env)
+    work, env, full, secs = made
     print(f"run on the demo: {secs:.1f} s", flush=True)
     for split, sid in subjects_that_matter(Workspace(full)).items():
         compare_subject(full, work, split, sid, env)

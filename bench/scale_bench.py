@@ -112,6 +112,20 @@ def bench_env(work: Path) -> dict:
     return env
 
 
+def demo_run(work: Path | None, prefix: str) -> tuple[Path, dict, Path, float] | None:
+    """``forgetful run`` on the real demo into a fresh ``WORK/full`` (WORK: a temp dir when None): the work folder,
+    the commands' environment, the workspace and the run's seconds; None, saying so, without the demo."""
+    if not DEMO.exists():
+        print(f"skipped: the MIMIC-IV demo is not at {DEMO} (see shared/data/README.md)")
+        return None
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    env = bench_env(work)
+    full = work / "full"
+    shutil.rmtree(full, ignore_errors=True)
+    secs, _, _ = forgetful(["run", "--out", str(full), "--source", str(DEMO)], env)
+    return work, env, full, secs
+
+
 def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: str = "process",
              reruns: bool = True) -> dict:
     stays = round(fraction * MIMIC_IV_ICU_STAYS)
