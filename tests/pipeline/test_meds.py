@@ -17,10 +17,10 @@ from cohorts.definitions import load_config, resolve_config
 from cohorts.predicates import code_expr, matching_codes, value_expr
 from cohorts.runs import prepare_token_streams
 from deletion import delete_subject, scan_subject
-from pipeline.extract import ExtractionError, extract, scan_events
+from pipeline.extract import ExtractionError, extract, quarantine_reasons, scan_events
 from pipeline.extract_rules import DEATH_DATE_ONLY
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.meds import MedsStayCodes, shard_files, validate_dataset
+from pipeline.meds import ADMISSION_WITHOUT_DISCHARGE, MedsStayCodes, shard_files, validate_dataset
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
 
@@ -228,3 +228,21 @@ def test_derived_stay_ids_that_would_collide_are_refused_and_nothing_is_written(
     with pytest.raises(ExtractionError, match="1,000 or more ICU admissions"):
         extract(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_meds_stay_without_a_discharge_is_quarantined_with_its_reason_and_the_rest_extracted(tmp_path):
+    """Such stays used to reject the whole dataset, in MIMIC's words ("unparsable or missing intime/outtime")."""
+    src = tmp_path / "meds"
+    (src / "data").mkdir(parents=True)
+    (src / "metadata").mkdir()
+    (src / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "t", "meds_version": "0.4"}))
+    t0 = datetime(2150, 1, 1)
+    rows = [(1, t0, "ICU_ADMISSION//MICU"), (1, t0 + timedelta(hours=20), "ICU_DISCHARGE//MICU"),
+            (1, t0 + timedelta(hours=2), "LAB//220045//bpm"),
+            (2, t0, "ICU_ADMISSION//SICU"), (2, t0 + timedelta(hours=3), "LAB//220045//bpm")]   # never discharged
+    pl.DataFrame(rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String},
+                 orient="row").write_parquet(src / "data" / "0.parquet")
+    summary = extract(src, tmp_path / "store")
+    stays = pl.read_parquet(tmp_path / "store" / "stays.parquet")
+    assert stays["subject_id"].to_list() == [1] and summary.new_events > 0
+    assert quarantine_reasons(tmp_path / "store") == {ADMISSION_WITHOUT_DISCHARGE: 1}
