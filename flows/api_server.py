@@ -67,10 +67,8 @@ def _launch(pending: PendingServer) -> None:
     """Start the server process on a free port, and its watcher: the server must end with this command even
     when no exit path of ours runs (a kill)."""
     import prefect
-    from prefect.logging import get_logger
     from prefect.settings import get_current_settings
     pending.port = _free_port()
-    get_logger("server").info("Starting the command's temporary API server on http://127.0.0.1:%d", pending.port)
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
            **get_current_settings().to_environment_variables(exclude_unset=True)}
     pending.process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir",
@@ -120,6 +118,10 @@ def wait_until_up(pending: PendingServer) -> str:
                                            f"starting (PREFECT_HOME={_home()}); its messages are above")
                 try:
                     if client.get(f"{pending.api_url}/health").status_code == 200:
+                        from prefect.logging import get_logger
+                        get_logger("forgetful").info("The command's temporary API server answers at %s (%.1f s "
+                                                     "after its start)", pending.api_url,
+                                                     time.monotonic() - pending.started)
                         return pending.api_url
                 except httpx.TransportError:
                     pass
@@ -160,7 +162,12 @@ def shared_api_server(pending: PendingServer | None = None) -> Iterator[str]:
     if pending.configured_url:
         yield url
         return
+    from prefect.context import refresh_global_settings_context
     os.environ["PREFECT_API_URL"] = url
+    # Prefect's process-wide settings were read when it was imported, before the URL existed, and a thread of
+    # Prefect's own that starts without the settings context (its events worker, after the process pool's
+    # work) reads those: it started a second temporary server. Re-read from the environment, which has the URL.
+    refresh_global_settings_context()
     try:
         # No flow-run heartbeats: they let a lasting server mark a crashed run, and this server ends with the
         # command; Prefect joins its heartbeat thread at each flow's end after up to a second's sleep (four flows,
@@ -169,4 +176,4 @@ def shared_api_server(pending: PendingServer | None = None) -> Iterator[str]:
             yield url
     finally:
         os.environ.pop("PREFECT_API_URL", None)
-
+        refresh_global_settings_context()

@@ -321,7 +321,7 @@ def test_cli_run_without_a_configured_server_shares_one_and_exits(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert (tmp_path / "ws" / "report.html").exists()
-    assert log.count("Starting the command's temporary API server") == 1, log[-3000:]
+    assert log.count("The command's temporary API server answers at") == 1, log[-3000:]
     assert "Starting temporary server" not in log, log[-3000:]     # no worker started one of Prefect's own
 
 
