@@ -4,14 +4,13 @@ line."""
 import json
 import shutil
 
-import polars as pl
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from deletion import DeletionFailed, delete_subject, scan_subject
 from flows.cli import main
-from pipeline.evidence import (CHECKPOINT, LEDGER, PUBLIC_KEY_ENV, SIGNING_KEY_ENV, canonical, load_signing_key,
-                               public_hex, read_log, verify_certificate, write_signing_key)
+from pipeline.evidence import (CHECKPOINT, LEDGER, PUBLIC_KEY_ENV, SIGNING_KEY_ENV, load_signing_key,
+                               public_hex, read_log, verify_certificate)
 from tests.deletion.test_deletion import plain_ws  # noqa: F401  (the module's workspace fixture)
 from tests.workspaces import copy_ws, scored_subjects
 
