@@ -4,8 +4,10 @@ printed and its last line.
     python bench/bad_inputs.py [--work DIR]
 
 Sources are the embedded generator's MIMIC-IV-shaped data and MEDS datasets built from it, each damaged one way;
-the deletion-evidence cases damage a workspace that has issued a certificate. A case passes when the command ends
-in exactly one line (no traceback) with the status a user can act on (2; 0 for "nothing to do").
+the deletion-evidence cases damage a workspace that has issued a certificate. A case passes when the command says
+what went wrong in exactly one line, its last (a run may have printed its progress before), with no traceback, and
+exits with the status a user can act on: 2 (0 for "nothing to do"; 1 for verify's verdict that the log it read is
+corrupt or tampered with, a finding rather than an input it could not read).
 """
 from __future__ import annotations
 
@@ -189,11 +191,14 @@ def main(argv=None):
         if "--out" not in args and args[0] in ("run", "delete"):
             args = args + ["--out", str(work / f"ws-{len(results)}")]
         code, lines = cli(args, run_env)
-        one = len(lines) == 1 and not any("Traceback" in x for x in lines)
-        results.append((name, code, len(lines), lines[-1] if lines else "", one and code in (0, 2)))
+        said = [x for x in lines if x.startswith(("forgetful:", "FAILED:")) or "Traceback" in x or "| ERROR" in x]
+        one = said == lines[-1:] and bool(said)
+        verdict = code == 1 and args[0] == "verify" and said and said[0].startswith("FAILED:")
+        results.append((name, code, len(lines), lines[-1] if lines else "", one and (code in (0, 2) or verdict)))
     for name, code, n, last, ok in results:
         print(f"{'ok  ' if ok else 'FAIL'} exit {code}, {n} line(s)  {name}\n        {last[:300]}")
-    print(f"\n{sum(r[-1] for r in results)} of {len(results)} bad inputs end in one line with exit 2 (0: nothing to do)")
+    print(f"\n{sum(r[-1] for r in results)} of {len(results)} bad inputs end in one line saying what went wrong, with "
+          f"the exit status to act on")
     os.environ.pop("FORGETFUL_HASH_KEY_FILE", None)
 
 

@@ -338,7 +338,7 @@ def _os_error_line(e: OSError, args) -> str:
         free = shutil.disk_usage(folder).free
         return (f"no space left on the device holding {folder} ({free / 2**20:.0f} MiB free) while writing {where}: "
                 f"free space (a run needs about the source's size again, for the store and its spill files) and "
-                f"run the command again; what it had done is kept or rolled back, nothing is half-written")
+                f"run the command again: it resumes from what it completed")
     return f"cannot {'write' if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else 'use'} {where}: " \
            f"{e.strerror or e}"
 

@@ -188,3 +188,18 @@ def test_the_temporary_server_starts_under_a_cpu_hog_and_a_start_too_slow_is_one
     assert "did not answer within 1 s" in slow.stderr and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in \
         slow.stderr
     assert not (tmp_path / "ws").exists()
+
+
+def test_a_full_disk_names_the_folder_and_its_free_space_and_a_defect_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+    import argparse as ap
+    from flows import cli
+    args = ap.Namespace(out=str(tmp_path / "ws" / "store"), verbose=False)
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ws" / "store" / "data" / "3.parquet"))
+    assert cli._failure(full, args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no space left on the device holding {tmp_path}" in err and "MiB free" in err
+    assert "run the command again: it resumes" in err
+    assert cli._failure(ZeroDivisionError("float division by zero"), args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error: ZeroDivisionError" in err and "--verbose" in err
