@@ -1,5 +1,8 @@
-"""Hand-built inputs the tests of several packages share: a small events-mode stream and a report's result."""
+"""Hand-built inputs the tests of several packages share: a small events-mode stream, a report's result, a MEDS
+dataset folder."""
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -22,3 +25,13 @@ def hand_result():
     summary, paired = aggregate(run_sweep(stays, budgets=(4, 8, 32), fractions=(0.5,), workers=1))
     return {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
             "metadata": {"data_source": "hand-built"}}
+
+
+def meds_dataset(root: Path, frame) -> Path:
+    """A MEDS dataset at ``root``: ``frame`` (a Polars frame of MEDS columns) as its one data shard, and the
+    minimal ``metadata/dataset.json``."""
+    (root / "data").mkdir(parents=True)
+    (root / "metadata").mkdir()
+    frame.write_parquet(root / "data" / "0.parquet")
+    (root / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": root.name, "meds_version": "0.4.0"}))
+    return root

@@ -2,7 +2,6 @@
 what it looked for and the data's most frequent codes; a MEDS source gets the shipped config it follows."""
 import argparse
 import copy
-import json
 from pathlib import Path
 
 import polars as pl
@@ -16,6 +15,7 @@ from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
+from tests.builders import meds_dataset
 
 DEMO_MEDS = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo-meds" / \
     "mimic_iv_demo_meds_events.parquet"
@@ -57,12 +57,8 @@ def test_a_channel_that_reads_nothing_ends_the_run_after_its_labels(tmp_path):
 @pytest.mark.skipif(not DEMO_MEDS.exists(), reason="the MIMIC-IV demo's MEDS conversion is not in shared/data")
 def test_the_demo_meds_conversion_without_a_config_gets_mimic_iv_meds(tmp_path):
     from flows.cli import _check_meds_codes
-    (tmp_path / "meds" / "data").mkdir(parents=True)
-    (tmp_path / "meds" / "metadata").mkdir()
-    (pl.read_parquet(DEMO_MEDS).select("subject_id", "time", "code", numeric_value=pl.col("value").cast(pl.Float32))
-     .write_parquet(tmp_path / "meds" / "data" / "0.parquet"))
-    (tmp_path / "meds" / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "demo",
-                                                                             "meds_version": "0.4.0"}))
+    meds_dataset(tmp_path / "meds", pl.read_parquet(DEMO_MEDS).select(
+        "subject_id", "time", "code", numeric_value=pl.col("value").cast(pl.Float32)))
     assert code_counts(sorted((tmp_path / "meds" / "data").glob("*.parquet")))["count"].sum() == 916_166
     args = argparse.Namespace(source=str(tmp_path / "meds"), config=None)
     _check_meds_codes(args, Workspace(tmp_path / "ws"))

@@ -15,6 +15,7 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
+from tests.builders import meds_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,17 +137,13 @@ def test_a_delete_refused_by_the_lock_inside_the_flow_is_one_line(tmp_path):
 
 def _meds_without_icu_stays(root: Path) -> Path:
     """A MEDS dataset carrying every channel of mimic-iv-meds but no ICU admission code."""
-    import json
     from datetime import datetime, timedelta
     codes = ["LAB//220045//bpm", "LAB//220050//mmHg", "LAB//220051//mmHg", "LAB//220210//insp/min", "LAB//220277//%",
              "LAB//223762//°C"]
     rows = [(s, datetime(2150, 1, 1) + timedelta(hours=h), c, 80.0) for s in (1, 2) for h in range(3) for c in codes]
-    (root / "data").mkdir(parents=True)
-    (root / "metadata").mkdir()
-    pl.DataFrame(rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String,
-                               "numeric_value": pl.Float32}, orient="row").write_parquet(root / "data" / "0.parquet")
-    (root / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "t", "meds_version": "0.4.0"}))
-    return root
+    return meds_dataset(root, pl.DataFrame(rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"),
+                                                         "code": pl.String, "numeric_value": pl.Float32},
+                                           orient="row"))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.meds import ADMISSION_WITHOUT_DISCHARGE, MedsStayCodes, shard_files, validate_dataset
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
+from tests.builders import meds_dataset
 
 DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo"
 MEDS_CONFIG = load_config(resolve_config("mimic-iv-meds"))
@@ -216,15 +217,12 @@ def test_meds_reader_converts_and_verifies_the_demo_store(tmp_path):
 
 
 def test_derived_stay_ids_that_would_collide_are_refused_and_nothing_is_written(tmp_path):
-    src = tmp_path / "many"
-    (src / "data").mkdir(parents=True)
-    (src / "metadata").mkdir()
-    (src / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "many", "meds_version": "0.4"}))
     t0 = datetime(2150, 1, 1)
     times = [t0 + timedelta(days=k) for k in range(1000)]
-    pl.DataFrame({"subject_id": [7] * 2000, "time": times + [t + timedelta(hours=1) for t in times],
-                  "code": ["ICU_ADMISSION//MICU"] * 1000 + ["ICU_DISCHARGE//MICU"] * 1000}) \
-        .with_columns(pl.col("time").cast(pl.Datetime("us"))).write_parquet(src / "data" / "0.parquet")
+    src = meds_dataset(tmp_path / "many", pl.DataFrame(
+        {"subject_id": [7] * 2000, "time": times + [t + timedelta(hours=1) for t in times],
+         "code": ["ICU_ADMISSION//MICU"] * 1000 + ["ICU_DISCHARGE//MICU"] * 1000}).with_columns(
+        pl.col("time").cast(pl.Datetime("us"))))
     with pytest.raises(ExtractionError, match="1,000 or more ICU admissions"):
         extract(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -232,16 +230,12 @@ def test_derived_stay_ids_that_would_collide_are_refused_and_nothing_is_written(
 
 def test_a_meds_stay_without_a_discharge_is_quarantined_with_its_reason_and_the_rest_extracted(tmp_path):
     """Such stays used to reject the whole dataset, in MIMIC's words ("unparsable or missing intime/outtime")."""
-    src = tmp_path / "meds"
-    (src / "data").mkdir(parents=True)
-    (src / "metadata").mkdir()
-    (src / "metadata" / "dataset.json").write_text(json.dumps({"dataset_name": "t", "meds_version": "0.4"}))
     t0 = datetime(2150, 1, 1)
     rows = [(1, t0, "ICU_ADMISSION//MICU"), (1, t0 + timedelta(hours=20), "ICU_DISCHARGE//MICU"),
             (1, t0 + timedelta(hours=2), "LAB//220045//bpm"),
             (2, t0, "ICU_ADMISSION//SICU"), (2, t0 + timedelta(hours=3), "LAB//220045//bpm")]   # never discharged
-    pl.DataFrame(rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String},
-                 orient="row").write_parquet(src / "data" / "0.parquet")
+    src = meds_dataset(tmp_path / "meds", pl.DataFrame(
+        rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String}, orient="row"))
     summary = extract(src, tmp_path / "store")
     stays = pl.read_parquet(tmp_path / "store" / "stays.parquet")
     assert stays["subject_id"].to_list() == [1] and summary.new_events > 0
