@@ -123,6 +123,25 @@ def test_incremental_run_adds_only_new_rows(source, tmp_path):
     assert extract(src, out).new_events == 0
 
 
+def test_a_rerun_reads_no_unchanged_source_file(source, tmp_path, monkeypatch):
+    """A file at its path with its recorded size and time is not read; one touched but not changed is read once."""
+    import os
+
+    from pipeline import extract as extract_module
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    out = tmp_path / "out"
+    extract(src, out)
+    read = Counter()
+    real = extract_module._sha256
+    monkeypatch.setattr(extract_module, "_sha256", lambda p: read.update([p.name]) or real(p))
+    assert extract(src, out).new_events == 0 and not read
+    labs = src / "hosp" / "labevents.csv.gz"
+    os.utime(labs, ns=(labs.stat().st_atime_ns, labs.stat().st_mtime_ns + 10**9))
+    assert extract(src, out).new_events == 0 and read == Counter({"labevents.csv.gz": 1})
+    assert extract(src, out).new_events == 0 and read == Counter({"labevents.csv.gz": 1})   # its time recorded
+
+
 def _write_gz(path, text):
     with gzip.open(path, "wt") as fh:
         fh.write(text)
