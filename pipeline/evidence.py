@@ -46,12 +46,14 @@ def read_json_object(path: Path, what: str) -> dict:
     """A JSON object file of the evidence (checkpoint, receipt, certificate); an EvidenceError in one line naming
     the file when it is empty, truncated or not an object (a damaged file is not a verdict on the log)."""
     try:
-        value = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise EvidenceError(f"{what} {path} is damaged: {'empty' if not Path(path).read_text().strip() else 'not JSON'}"
-                            f" ({e.msg}, character {e.pos}); restore it from a backup") from None
+        text = Path(path).read_text()
     except OSError as e:
         raise EvidenceError(f"{what} {path} cannot be read: {e.strerror or e}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EvidenceError(f"{what} {path} is damaged: {'empty' if not text.strip() else 'not JSON'} ({e.msg}, "
+                            f"character {e.pos}); restore it from a backup") from None
     if not isinstance(value, dict):
         raise EvidenceError(f"{what} {path} is damaged: a JSON {type(value).__name__}, not an object; restore it "
                             f"from a backup")

@@ -333,7 +333,7 @@ def _derive_stays(con: duckdb.DuckDBPyConnection, shards: list[Path], codes: Med
                             ).fetchone()
     if too_many:
         raise MedsSourceError("a subject has 1,000 or more ICU admissions: derived stay ids would collide")
-    # An admission without a later discharge (or a birth code) has no window: the stay cannot be used, the rest
+    # An admission without a later discharge has no window: the stay cannot be used, the rest
     # of the dataset can; its admission event goes to the quarantine with the reason (extract._judge).
     con.execute(f"""INSERT INTO unusable_stays SELECT DISTINCT m.subject_id, m.time, m.code,
                         '{ADMISSION_WITHOUT_DISCHARGE}' FROM marks m JOIN stays s

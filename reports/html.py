@@ -283,6 +283,13 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
     return "".join(parts)
 
 
+def _compared_rows(d: dict, summary: list) -> tuple[dict | None, dict | None]:
+    """The summary rows of SV and of the baseline that the paired comparison ``d`` compares."""
+    at = {k: d[k] for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
+    return (next(iter(_select(summary, policy="sv_certified", **at)), None),
+            next(iter(_select(summary, policy=d["baseline"], **at)), None))
+
+
 def _verdict(d: dict, alpha: float) -> str:
     """'more', 'less' (SV keeps more or less than the baseline) or 'tied': a difference is claimed only when the
     Holm-adjusted p is below alpha and the paired interval lies on that side of 0 (never a claim beside an
@@ -298,9 +305,7 @@ def _verdict(d: dict, alpha: float) -> str:
 def _endpoint_item(d: dict, summary: list, alpha: float, size: int) -> str:
     """One declared comparison in words: both policies' means, the paired difference and its CI, the p-values,
     and what they support at the family-wise alpha."""
-    at = {k: d[k] for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
-    sv = next(iter(_select(summary, policy="sv_certified", **at)), None)
-    base = next(iter(_select(summary, policy=d["baseline"], **at)), None)
+    sv, base = _compared_rows(d, summary)
     rival = html.escape(d["baseline"])
     means = f"SV {sv['mean']:.3f} vs {rival} {base['mean']:.3f}; " if sv and base else ""
     verdict = {"more": "<b>SV keeps more</b>", "less": f"<b>{rival} keeps more</b>"}.get(
@@ -401,9 +406,7 @@ def _lead_sentence(summary: list, paired: list, declared: dict) -> str:
         return ("No primary endpoint was measured in this run" + (" (the cohort config declares none)" if not
                 declared.get("primary") else "") + ": every comparison below is exploratory.")
     d = primary[0]
-    at = {k: d[k] for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
-    sv = next(iter(_select(summary, policy="sv_certified", **at)), None)
-    base = next(iter(_select(summary, policy=d["baseline"], **at)), None)
+    sv, base = _compared_rows(d, summary)
     unit = "hours" if d["tokens"] == "hourly" else "events"
     setting = ("With the paper's fixed context (each policy keeps k = |S &cup; E| tokens, the support of the stay's "
                "exact solve)" if d["protocol"] == "fixed_context" else
