@@ -19,7 +19,8 @@ os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
 
 from cohorts.definitions import load_config  # noqa: E402
 from cohorts.evaluation import aggregate, run_sweep  # noqa: E402
-from cohorts.runs import save_results, update_cohort_memory  # noqa: E402
+from run.cohort_memory import update_cohort_memory  # noqa: E402
+from run.steps import save_results  # noqa: E402
 from cohorts.streams import evaluation_streams  # noqa: E402
 from deletion import delete_subject  # noqa: E402
 from deletion.plan import scored_subjects  # noqa: E402

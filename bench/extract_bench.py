@@ -1,6 +1,6 @@
 """Extraction throughput at scale, and coverage and speed against the community MEDS ETL on the demo.
 
-    python bench/extract_bench.py [--events 20000000] [--memory-limit 4GB]
+    python bench/extract_bench.py [--events 20000000] [--memory-limit LIMIT]
     python bench/extract_bench.py --demo [--etl-command CMD]
 
 ``--demo``: extracts ``shared/data/mimic-iv-demo`` (wall time and peak RSS in a child process) and counts its
@@ -28,6 +28,7 @@ import duckdb
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.extract import DEFAULT_MEMORY_LIMIT  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
 
 CHART_ITEMS = [220045, 220179, 220180, 220052, 220210, 220277, 223762]
@@ -167,7 +168,7 @@ def main(argv=None):
     ap.add_argument("--etl-command", default=None, help="shell command running the community ETL ({src}, {out})")
     ap.add_argument("--events", type=int, default=20_000_000)
     ap.add_argument("--patients", type=int, default=2000)
-    ap.add_argument("--memory-limit", default="4GB")
+    ap.add_argument("--memory-limit", default=DEFAULT_MEMORY_LIMIT)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     if args.demo:

@@ -9,12 +9,14 @@ import math
 from dataclasses import dataclass
 
 from .errors import CohortConfigError
+from .results import PairedRow
+from .stream_mode import StreamMode
 
 FAMILIES = ("primary", "secondary")
 EXPLORATORY = "exploratory"
 PROTOCOL_BASELINES = {"fixed_context": ("recency", "random", "h2o_proxy", "softmax_h2o", "residual_delta"),
                       "streaming": ("recency", "random", "softmax_h2o", "residual_delta")}
-TOKENS = ("hourly", "events")
+TOKENS = tuple(m.value for m in StreamMode)
 METRICS = ("retention", "retrieval", "retention_hour_end")
 DEFAULT_ALPHA = 0.05
 MIN_RESAMPLES = 10_000
@@ -31,8 +33,8 @@ class Endpoint:
     baseline: str
     metric: str = "retention"
 
-    def matches(self, row: dict) -> bool:
-        return (row["protocol"], row["tokens"], row["label"], str(row["budget"]), row["baseline"], row["metric"]) \
+    def matches(self, row: PairedRow) -> bool:
+        return (row.protocol, row.tokens.value, row.label, str(row.budget), row.baseline, row.metric) \
             == (self.protocol, self.tokens, self.label, self.budget, self.baseline, self.metric)
 
     def describe(self) -> str:
@@ -47,7 +49,7 @@ class Endpoints:
     declared: tuple
     alpha: float = DEFAULT_ALPHA
 
-    def family_of(self, row: dict) -> str:
+    def family_of(self, row: PairedRow) -> str:
         return next((e.family for e in self.declared if e.matches(row)), EXPLORATORY)
 
     def size(self, family: str) -> int:
@@ -69,10 +71,9 @@ class Endpoints:
 NO_ENDPOINTS = Endpoints(())
 
 
-def endpoint_of(row: dict) -> Endpoint:
+def endpoint_of(row: PairedRow) -> Endpoint:
     """The comparison a paired row of :func:`cohorts.evaluation.aggregate` holds, as an endpoint record."""
-    return Endpoint(row.get("family", EXPLORATORY), row["protocol"], row["tokens"], row["label"], str(row["budget"]),
-                    row["baseline"], row["metric"])
+    return Endpoint(row.family, row.protocol, row.tokens.value, row.label, str(row.budget), row.baseline, row.metric)
 
 
 def _listed(value) -> list:
@@ -117,7 +118,7 @@ def endpoints_from_config(cfg: dict) -> Endpoints:
     for family in FAMILIES:
         for i, entry in enumerate(section.get(family) or []):
             where = f"endpoints.{family}[{i}]"
-            protocol, tokens = entry.get("protocol"), entry.get("tokens", "hourly")
+            protocol, tokens = entry.get("protocol"), entry.get("tokens", StreamMode.HOURLY.value)
             metric = entry.get("metric", "retention")
             if protocol not in PROTOCOL_BASELINES:
                 raise CohortConfigError(f"{where}: unknown protocol {protocol!r}; one of {sorted(PROTOCOL_BASELINES)}")

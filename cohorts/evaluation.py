@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import TYPE_CHECKING
 
@@ -31,12 +31,11 @@ from memory.kernels import rbf
 from memory.policies import POLICIES
 
 from .endpoints import EXPLORATORY, NO_ENDPOINTS, Endpoints
+from .results import SUPPORT, Budget, PairedRow, SummaryRow
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256)
-DEFAULT_FRACTIONS = (0.05, 0.1, 0.2)
 # The policy whose memory is a stay's persisted SV memory, and whose certified fraction the report gives (the
 # learned-key variant is a comparison row, not the product's memory).
 STAY_MEMORY_POLICY = "sv_certified"
@@ -130,7 +129,7 @@ def fraction_budget(fraction: float, n_events: int, cap: int | None) -> int:
     return min(b, int(cap)) if cap is not None else b
 
 
-def run_sweep(stays: list, budgets: tuple = DEFAULT_BUDGETS, fractions: tuple = DEFAULT_FRACTIONS,
+def run_sweep(stays: list, budgets: tuple, fractions: tuple,
               policies: tuple = tuple(POLICIES), gamma: float = 0.5,
               workers: int | None = None, memory_budget: int | None = None, fraction_cap: str = "max_budget") -> list:
     """Per-stay results for every (budget, policy); fraction budgets are labelled 'f0.1' etc.
@@ -295,26 +294,26 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
     for group, (stays, v) in sorted(by.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         fields = dict(zip(GROUP, group))
         lo, hi = bootstrap_ci(v)
-        summary.append({**fields, "mean": float(v.mean()), "ci_low": lo, "ci_high": hi, "n": int(len(v))})
+        summary.append(SummaryRow(**fields, mean=float(v.mean()), ci_low=lo, ci_high=hi, n=int(len(v))))
         ref_key = group[:5] + (reference,) + group[6:]
         if fields["policy"] != reference and fields["metric"] in PAIRED_METRICS and ref_key in by:
             ref_stays, ref_v = by[ref_key]
             _, i, j = np.intersect1d(ref_stays, stays, assume_unique=True, return_indices=True)
             paired.append(_paired_row(fields, ref_v[i] - v[j], endpoints))
-    for family in {r["family"] for r in paired} - {EXPLORATORY}:
-        members = [r for r in paired if r["family"] == family]
-        for row, p in zip(members, holm([r["p_value"] for r in members])):
-            row["p_holm"] = p
+    for family in {r.family for r in paired} - {EXPLORATORY}:
+        at = [k for k, r in enumerate(paired) if r.family == family]
+        for k, p in zip(at, holm([paired[k].p_value for k in at])):
+            paired[k] = replace(paired[k], p_holm=p)
     return summary, paired
 
 
-def _paired_row(fields: dict, d: np.ndarray, endpoints: Endpoints) -> dict:
-    row = {**{k: fields[k] for k in GROUP if k != "policy"}, "baseline": fields["policy"]}
+def _paired_row(fields: dict, d: np.ndarray, endpoints: Endpoints) -> PairedRow:
+    row = PairedRow(**{k: fields[k] for k in GROUP if k != "policy"}, baseline=fields["policy"])
     family = endpoints.family_of(row)
     dlo, dhi = bootstrap_ci(d)
-    return {**row, "mean_diff": float(d.mean()) if len(d) else float("nan"), "ci_low": dlo, "ci_high": dhi,
-            "p_value": sign_flip_p(d, n_perm=endpoints.resamples(family)), "p_wilcoxon": wilcoxon_p(d),
-            "n": int(len(d)), "family": family, "p_holm": None}
+    return replace(row, mean_diff=float(d.mean()) if len(d) else float("nan"), ci_low=dlo, ci_high=dhi,
+                   p_value=sign_flip_p(d, n_perm=endpoints.resamples(family)), p_wilcoxon=wilcoxon_p(d),
+                   n=int(len(d)), family=family, p_holm=None)
 
 
 def wilcoxon_p(d: np.ndarray) -> float:
@@ -329,7 +328,10 @@ def wilcoxon_p(d: np.ndarray) -> float:
 HEADLINE_METRICS = ("retention", "certified_fraction", "certificate_expiry")
 
 
-def headline_rows(summary: list) -> list:
+HEADLINE_BUDGETS = (SUPPORT, Budget("tokens", 32), Budget("tokens", 64))
+
+
+def headline_rows(summary: list[SummaryRow]) -> list[SummaryRow]:
     """The rows a user reads first: fixed-context retention (budget k) and streaming retention and
     certification at B = 32 and 64."""
-    return [r for r in summary if r["metric"] in HEADLINE_METRICS and r["budget"] in ("k", "32", "64")]
+    return [r for r in summary if r.metric in HEADLINE_METRICS and r.budget in HEADLINE_BUDGETS]

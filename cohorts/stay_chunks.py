@@ -5,7 +5,7 @@ A chunk is a run of whole subjects of one shard (``data/K.parquet`` holds the su
 shard's row groups between two subject ids: memory grows with the largest chunk, not with the cohort.
 Each stay gets a **content digest** of the rows a run reads for it (its own events and the hospital-level
 events inside its window, by event hash and occurrence, and its row of the stay table); with the cohort
-config's and the code's digests it keys every per-stay cache (:mod:`cohorts.stay_cache`).
+config's and the code's digests it keys every per-stay cache (:mod:`run.stay_cache`).
 """
 from __future__ import annotations
 
@@ -108,14 +108,15 @@ def stay_digests(events: pl.DataFrame, stays: pl.DataFrame) -> dict[int, str]:
 
 @functools.cache
 def code_digest() -> str:
-    """A digest of the code that computes per-stay results from the store's rows (``memory`` and ``cohorts``;
+    """A digest of the code that computes per-stay results from the store's rows (``memory``, ``cohorts`` and
+    ``run``;
     a change of extraction changes the rows, which the stays' digests see) and of the numerical libraries'
     versions: a change of either recomputes every cached stay. Once per process (every stay's cache key holds
     it: it was read again for each, every source file and five package versions)."""
     from importlib.metadata import PackageNotFoundError, version
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for pkg in ("memory", "cohorts"):
+    for pkg in ("memory", "cohorts", "run"):
         for f in sorted((root / pkg).rglob("*.py")):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     for name in ("numpy", "scipy", "numba", "polars", "scikit-learn"):

@@ -1,7 +1,7 @@
 """Evaluation streams: the labelled, keyed events of each evaluation stay, ready for the budget sweep."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import polars as pl
@@ -15,13 +15,13 @@ from pipeline.privacy import stay_ref, subject_ref
 from .characteristics import death_stays, describe_cohort
 from .definitions import build_cohort, deterioration_hours, label_events, stay_events
 from .evaluation import EventStream
-from .tokens import build_tokens
+from .stream_mode import StreamMode
+from .tokens import TokenScaling, build_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from cohorts.tokens import TokenScaling
     from memory.encoder import EventEncoder
 
 
@@ -73,11 +73,20 @@ def _owners(subjects, key: bytes) -> dict:
     return {s: subject_ref(s, key) for s in set(subjects)}
 
 
+class CohortStream(NamedTuple):
+    """The cohort memory's input in global time order (order-key order): the key statistics it was keyed under,
+    and per token its key, id (keyed references, no identifier), order key and subject."""
+    scaler: TokenScaling | EventKeyer
+    keys: np.ndarray
+    token_ids: list[str]
+    order_keys: list[str]
+    subject_ids: np.ndarray
+
+
 def cohort_event_stream(store: Path, cfg: dict, key: bytes, keyer: EventKeyer | None = None,
-                        subject_id: int | None = None) -> tuple:
+                        subject_id: int | None = None) -> CohortStream:
     """The whole cohort's events in global time order, keyed, for the cohort memory.
 
-    Returns (keyer, keys, token_ids, order_keys, subject_ids), in order-key order.
     The keyer is fitted on the training split when none is given (and then persisted with the memory).
     ``subject_id``: one subject's rows only (a deletion takes them out of the memory's history digest).
     Token ids name their patient by a keyed hash under ``key``, never by id.
@@ -94,7 +103,7 @@ def cohort_event_stream(store: Path, cfg: dict, key: bytes, keyer: EventKeyer | 
     ev = ev.with_columns(order.alias("order_key")).sort("order_key")
     owner = _owners(ev["subject_id"].to_list(), key)
     ids = [token_id(owner[s], h, o) for s, h, o in zip(ev["subject_id"], ev["event_hash"], ev["occurrence"])]
-    return keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy()
+    return CohortStream(keyer, keyer.transform(ev), ids, ev["order_key"].to_list(), ev["subject_id"].to_numpy())
 
 
 def hour_token_names(key: bytes) -> Callable:
@@ -112,10 +121,9 @@ def hour_token_names(key: bytes) -> Callable:
 
 
 def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScaling | None = None,
-                        subject_id: int | None = None) -> tuple:
+                        subject_id: int | None = None) -> CohortStream:
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
 
-    Returns (scaling, keys, token_ids, order_keys, subject_ids), in order-key order;
     ``scaling`` (training-split statistics) is fitted when none is given and then persisted with the memory.
     Order key: the bin's start time, then the stay's smallest event hash (a content hash already in the store,
     no identifier) to order tokens of different stays in the same hour.
@@ -132,12 +140,13 @@ def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScalin
     tok = tok.with_columns(order.alias("order_key")).sort("order_key")
     names = hour_token_names(key)
     ids = [names(s, st, h) for s, st, h in zip(tok["subject_id"], tok["stay_id"], tok["hour"])]
-    return table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(), tok["subject_id"].to_numpy()
+    return CohortStream(table.scaling, table.scaling.keys(tok), ids, tok["order_key"].to_list(),
+                        tok["subject_id"].to_numpy())
 
 
-def cohort_stream(store: Path, cfg: dict, tokens: str, key: bytes, scaler: TokenScaling | EventKeyer | None = None,
-                  subject_id: int | None = None) -> tuple:
-    """The cohort memory's input in either stream mode ('hourly' tokens or raw 'events')."""
-    if tokens == "hourly":
+def cohort_stream(store: Path, cfg: dict, tokens: StreamMode, key: bytes,
+                  scaler: TokenScaling | EventKeyer | None = None, subject_id: int | None = None) -> CohortStream:
+    """The cohort memory's input in either stream mode."""
+    if StreamMode(tokens) is StreamMode.HOURLY:
         return cohort_token_stream(store, cfg, key, scaling=scaler, subject_id=subject_id)
     return cohort_event_stream(store, cfg, key, keyer=scaler, subject_id=subject_id)

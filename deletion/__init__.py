@@ -22,7 +22,7 @@ from pipeline.evidence import (SIGNING_KEY_ENV, TrustAnchor, load_signing_key, p
 from pipeline.locking import workspace_lock
 from pipeline.migrate import check_format
 from pipeline.privacy import keyed_hash, store_key
-from pipeline.transaction import Transaction, _crash_point, recover
+from pipeline.transaction import Transaction, crash_point, recover
 
 from .certify import certificate, stage_certificate, stale_reports
 from . import derived
@@ -44,12 +44,11 @@ def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_k
     t0 = time.perf_counter()
     removed = rewrite_store(ws, txn, sid, subject_hash)
     removed |= remove_stay_artifacts(ws, txn, sid, stay_files)
-    _crash_point("staged_store")
-    params = derived.recomputable(ws) if mode == "replay" else None
-    run = derived.prepare(ws, txn, sid, params) if params else None
+    crash_point("staged_store")
+    run = derived.prepare(ws, txn, [sid]) if mode == "replay" else None
     memories = rewrite_memories(ws, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None,
                                 compare=compare)
-    _crash_point("staged_memories")
+    crash_point("staged_memories")
     recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn)) if run else []
     residual = residual_scan(ws, txn, sid, stay_files)
     if residual["rows_remaining"]:
@@ -57,7 +56,7 @@ def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_k
     cert = certificate(log, subject_hash, mode, removed, memories, residual, [] if run else stale_reports(ws),
                        time.perf_counter() - t0, recomputed)
     name = stage_certificate(ws, txn, log, signing_key, cert)
-    _crash_point("staged_certificate")
+    crash_point("staged_certificate")
     return cert, name
 
 
@@ -92,7 +91,7 @@ def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait
             txn.abort()
             raise
         txn.commit()
-        _crash_point("committed")
+        crash_point("committed")
         after, _ = scan_subject(ws, sid)
         if any(after.values()):
             raise DeletionFailed(f"after commit the subject is still found: {after}")

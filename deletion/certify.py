@@ -6,8 +6,8 @@ import time
 from typing import TYPE_CHECKING
 
 from cohorts.definitions import small_cell_threshold, workspace_config
-from cohorts.provenance import code_version
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
+from pipeline.versions import code_version
 from reports.certificate_page import render_certificate_html
 
 from .plan import DeletionFailed

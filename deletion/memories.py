@@ -5,22 +5,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cohorts.definitions import workspace_config
-from cohorts.runs import (FEED_BLOCK, SCALER_FILES, checkpoint_tokens, copy_checkpoint_extras, load_scaler, memory_info,
-                          save_scaler)
-from cohorts.streams import cohort_stream, hour_token_names
-from cohorts.token_run import OrderedTokens, stay_facts
 from memory.cohort import CohortMemory
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
-from pipeline.privacy import store_key
+from run.cohort_memory import (CohortRows, StreamMode, checkpoint_tokens, copy_checkpoint_extras, load_scaler,
+                               memory_info, save_scaler, scaler_file)
 
 from .plan import DeletionFailed, owner
 
 if TYPE_CHECKING:
-    from cohorts.tokens import TokenScaling
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
+    from run.cohort_memory import TokenScaling
 
 VERIFY_MAX_DEV = 1e-8
 
@@ -29,11 +25,9 @@ def _subject_rows(ws, ckpt, sid, cache):
     """The subject's rows as checkpoint ``ckpt`` was fed them (its stream mode and key statistics), read from
     the store before the deletion commits: (order keys, keys). ``cache``: by mode and key statistics."""
     mode = checkpoint_tokens(ckpt)
-    stats = (ckpt / SCALER_FILES[mode]).read_bytes()
+    stats = scaler_file(ckpt).read_bytes()
     if (mode, stats) not in cache:
-        _, keys, _, order, _ = cohort_stream(ws.store, workspace_config(ws.root), mode,
-                                             store_key(ws.store, ws.root), scaler=load_scaler(ckpt), subject_id=sid)
-        cache[(mode, stats)] = (order, keys)
+        cache[(mode, stats)] = CohortRows(ws, mode, load_scaler(ckpt)).of_subject(sid)
     return cache[(mode, stats)]
 
 
@@ -87,29 +81,6 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare:
     return memories, verification, digests
 
 
-def _others_feed(ws, tokens, scaler, sid):
-    """(the subject's first order key or None, feed(memory, upto): every other patient's rows after the
-    memory's watermark and up to ``upto``, in order). Hourly tokens stream from the run's token cache; raw
-    events (small stores) are keyed in memory."""
-    cfg, key = workspace_config(ws.root), store_key(ws.store, ws.root)
-    _, _, _, own, _ = cohort_stream(ws.store, cfg, tokens, key, scaler=scaler, subject_id=sid)
-    first = min(own) if own else None
-    if tokens == "hourly":
-        index, names = stay_facts(ws, cfg), hour_token_names(key)
-
-        def feed(mem, upto):
-            for b in OrderedTokens(ws, index, cfg, scaler, names, after=mem.watermark, upto=upto,
-                                   exclude_subject=sid).batches(FEED_BLOCK):
-                mem.feed(b.keys, b.token_ids, b.order_keys)
-        return first, feed
-    _, K, ids, order, subjects = cohort_stream(ws.store, cfg, tokens, key, scaler=scaler)
-
-    def feed(mem, upto):
-        sel = [i for i, (o, s) in enumerate(zip(order, subjects)) if int(s) != sid and mem.watermark < o <= upto]
-        mem.feed(K[sel], [ids[i] for i in sel], [order[i] for i in sel])
-    return first, feed
-
-
 def _replayed(ws: Workspace, sid: int, scaler: TokenScaling | None) -> tuple:
     """The latest checkpoint re-streamed without the subject, from the last checkpoint that never saw them
     (or from empty): (checkpoints, the latest as it is, its stream mode, the scaling, the clean bases, the
@@ -117,16 +88,19 @@ def _replayed(ws: Workspace, sid: int, scaler: TokenScaling | None) -> tuple:
     ckpts = ws.checkpoints()
     latest = CohortMemory.load(ckpts[-1])
     tokens = checkpoint_tokens(ckpts[-1])
-    scaler = scaler if scaler is not None and tokens == "hourly" else load_scaler(ckpts[-1])
-    first, feed = _others_feed(ws, tokens, scaler, sid)
+    hourly = tokens is StreamMode.HOURLY
+    scaler = scaler if scaler is not None and hourly else load_scaler(ckpts[-1])
+    rows = CohortRows(ws, tokens, scaler)
+    own, _ = rows.of_subject(sid)
+    first = min(own) if own else None
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
     # checkpoint of the other stream mode is never a replay base, nor one keyed under other scaling
-    same_keys = [c for c in ckpts if checkpoint_tokens(c) == tokens and
-                 (tokens != "hourly" or load_scaler(c).as_dict() == scaler.as_dict())]
+    same_keys = [c for c in ckpts if checkpoint_tokens(c) is tokens and
+                 (not hourly or load_scaler(c).as_dict() == scaler.as_dict())]
     clean = [c for c in same_keys if first is None or CohortMemory.load(c).watermark < first]
     base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
                                                                    gamma=latest.gamma, nu=latest.policy.nu)
-    feed(base, latest.watermark)
+    rows.feed(base, upto=latest.watermark, exclude=frozenset({sid}))
     return ckpts, latest, tokens, scaler, clean, base
 
 
@@ -140,7 +114,7 @@ def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, scaler: Tok
     ref = owner(ws, sid)
     before = latest.memory.state_digest()
     # the other mode's checkpoints are history: removed only where they hold the subject
-    tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) == tokens or
+    tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) is tokens or
                                                        CohortMemory.load(c).tokens_of(ref))]
     for c in tainted:
         txn.delete(c)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import duckdb
 import polars as pl
 
-from cohorts.stay_cache import CACHE_DIR
 from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import (codes_metadata_path, read_codes_metadata, shard_files, shard_of, subject_splits_path,
                            write_codes_metadata, write_label_file, write_shard, write_subject_splits)
@@ -150,8 +149,8 @@ def remove_stay_artifacts(ws: Workspace, txn: Transaction, sid: int, stay_files:
     # The per-stay caches are keyed by content, not by patient: the subject's whole shard of them goes (the
     # next run recomputes that shard's stays), so nothing computed from their rows survives in the cache.
     shard = int(sid) % N_BUCKETS
-    dropped = [d for d in sorted((ws.root / CACHE_DIR).glob(f"*/{shard}")) + sorted(
-        (ws.root / CACHE_DIR).glob(f"*/{shard}.json")) if d.exists()]
+    dropped = [d for d in sorted(ws.cache.glob(f"*/{shard}")) + sorted(ws.cache.glob(f"*/{shard}.json"))
+               if d.exists()]
     for d in dropped:
         txn.delete(d)
     removed["cache_shard_entries"] = len(dropped)

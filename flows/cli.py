@@ -13,8 +13,10 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256)
-DEFAULT_FRACTIONS = (0.05, 0.1, 0.2)
+from run.params import DEFAULT_CRON, TASK_RUNNERS, RunParams, StreamMode
+
+DEFAULTS = RunParams()
+LAST_RUN = "the workspace's last run's (WS/run.json), else"
 
 
 def _budgets(text):
@@ -32,13 +34,19 @@ def _version():
         return "unknown"
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, except None: such an option says in its help what not giving it means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="forgetful", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="forgetful", description=__doc__.split("\n")[0], formatter_class=_Defaults)
     ap.add_argument("--version", action="version", version=f"forgetful {_version()}")
     ap.add_argument("--verbose", action="store_true", help="show Prefect's per-task log lines on the console")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _Defaults
     ex = sub.add_parser("extract", help="extract a MIMIC-IV directory or a MEDS dataset into the event store (itself "
                                         "a MEDS dataset)", formatter_class=fmt)
     ex.add_argument("--source", required=True, help="MIMIC-IV directory (hosp/, icu/) or MEDS dataset "
@@ -47,33 +55,42 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "section says how a MEDS source's ICU stays are read; none: the "
                                                    "MIMIC-IV MEDS ETL's conventions")
     ex.add_argument("--out", required=True, help="event store folder (created or updated incrementally)")
-    ex.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (spills to disk past it)")
+    ex.add_argument("--memory-limit", default=None,
+                    help="DuckDB memory limit, spills to disk past it (default: pipeline.extract.DEFAULT_MEMORY_LIMIT)")
     for name, help_ in (("run", "main job: ingest -> both protocols -> cohort memory -> HTML report"),
                         ("serve", "register the scheduled run with a cron schedule and serve it")):
         p = sub.add_parser(name, help=help_, formatter_class=fmt)
         p.add_argument("--out", default="out", help="workspace folder")
         p.add_argument("--source", default=None,
-                       help="MIMIC-IV directory or MEDS dataset (default: the embedded deterministic "
-                            "MIMIC-IV-shaped data)")
+                       help=f"MIMIC-IV directory or MEDS dataset (default: {LAST_RUN} the embedded deterministic "
+                            f"MIMIC-IV-shaped data)")
         p.add_argument("--config", default=None,
                        help="cohort config: a shipped name (default, mimic-iv-meds) or a YAML path; it becomes the "
                             "workspace's (default: the workspace's own, else the shipped default)")
-        p.add_argument("--tokens", choices=("hourly", "events"), default="hourly",
-                       help="stream hourly patient-state tokens or raw events")
-        p.add_argument("--budgets", type=_budgets, default=DEFAULT_BUDGETS,
-                       help="fixed memory budgets, comma-separated")
-        p.add_argument("--fractions", type=_fractions, default=DEFAULT_FRACTIONS,
-                       help="budgets as fractions of each stream, comma-separated (capped at the largest budget)")
+        p.add_argument("--tokens", choices=[m.value for m in StreamMode], default=None,
+                       help=f"stream hourly patient-state tokens or raw events (default: {LAST_RUN} "
+                            f"{DEFAULTS.tokens})")
+        p.add_argument("--budgets", type=_budgets, default=None,
+                       help=f"fixed memory budgets, comma-separated (default: {LAST_RUN} "
+                            f"{','.join(map(str, DEFAULTS.budgets))})")
+        p.add_argument("--fractions", type=_fractions, default=None,
+                       help=f"budgets as fractions of each stream, comma-separated, capped at the largest budget "
+                            f"(default: {LAST_RUN} {','.join(map(str, DEFAULTS.fractions))})")
         p.add_argument("--max-events", type=int, default=None,
-                       help="keep the first N events of each stay (events mode; default: all)")
-        p.add_argument("--cohort-budget", type=int, default=128, help="budget of the cohort memory")
-        p.add_argument("--task-runner", choices=("process", "thread", "dask"), default="process",
-                       help="where per-stay scoring runs")
-        p.add_argument("--workers", type=int, default=None, help="task-runner workers (default: the CPU count)")
-        p.add_argument("--encoder-steps", type=int, default=100,
-                       help="learned-key encoder training steps, events mode only (0: off)")
-        p.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit of the extraction")
-    sub.choices["serve"].add_argument("--cron", default="0 3 * * *", help="cron schedule")
+                       help=f"keep the first N events of each stay, events mode (default: {LAST_RUN} all)")
+        p.add_argument("--cohort-budget", type=int, default=None,
+                       help=f"budget of the cohort memory (default: {LAST_RUN} {DEFAULTS.cohort_budget})")
+        p.add_argument("--task-runner", choices=TASK_RUNNERS, default=None,
+                       help=f"where per-stay scoring runs (default: {LAST_RUN} {DEFAULTS.task_runner})")
+        p.add_argument("--workers", type=int, default=None,
+                       help=f"task-runner workers (default: {LAST_RUN} the CPU count)")
+        p.add_argument("--encoder-steps", type=int, default=None,
+                       help=f"learned-key encoder training steps, events mode only, 0: off (default: {LAST_RUN} "
+                            f"{DEFAULTS.encoder_steps})")
+        p.add_argument("--memory-limit", default=None,
+                       help=f"DuckDB memory limit of the extraction (default: {LAST_RUN} "
+                            f"pipeline.extract.DEFAULT_MEMORY_LIMIT)")
+    sub.choices["serve"].add_argument("--cron", default=DEFAULT_CRON, help="cron schedule")
     de = sub.add_parser("delete", help="delete one patient, with a deletion certificate", formatter_class=fmt)
     de.add_argument("--out", default="out", help="workspace folder")
     de.add_argument("--subject-id", type=int, required=True, help="the patient's subject_id")
@@ -116,6 +133,13 @@ def _quiet_prefect(verbose):
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
 
+def _run_params(args) -> dict:
+    """The run parameters given on the command line (None: not given; the flow takes the workspace's last run's)."""
+    return dict(source=args.source, budgets=args.budgets, fractions=args.fractions, max_events=args.max_events,
+                cohort_budget=args.cohort_budget, task_runner=args.task_runner, workers=args.workers,
+                encoder_steps=args.encoder_steps, tokens=args.tokens, memory_limit=args.memory_limit)
+
+
 def _preflight(args):
     """Checks that need no server: raise the error a flow would otherwise fail with."""
     if args.cmd in ("run", "serve"):
@@ -125,6 +149,8 @@ def _preflight(args):
         from pipeline.workspace import Workspace
         ws = Workspace(args.out)
         store_key(ws.store, ws.root)
+        # a rerun without --source reads the workspace's last run's source: check that one
+        args.source = RunParams.resolve(RunParams.load(ws.run_params), **_run_params(args)).source
         if args.source is not None:
             check_source(args.source)
         load_config(resolve_config(args.config))
@@ -159,14 +185,14 @@ def _check_meds_codes(args, ws) -> None:
     check_channels_read(load_config(path), counts, name, f"the MEDS dataset {args.source}")
 
 
-def _print_headline(result: dict):
+def _print_headline(result):
     """The headline rows on the console, small counts of stays hidden as in the report."""
     from cohorts.evaluation import headline_rows
     from reports.disclosure import disclosed
-    for r in headline_rows(disclosed(result)["summary"]):
-        label = r["label"] if r["label"] != "none" else f"keys {r['keys']}"
-        print(f"  {r['protocol']:<13} {label:<22} B={r['budget']:>3} {r['policy']:<15} {r['metric']:<18} "
-              f"{r['mean']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={r['n']}")
+    for r in headline_rows(disclosed(result).summary):
+        label = r.label if r.label != "none" else f"keys {r.keys}"
+        print(f"  {r.protocol:<13} {label:<22} B={str(r.budget):>3} {r.policy:<15} {r.metric:<18} "
+              f"{r.mean:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] n={r.n}")
 
 
 def _migrate(args):
@@ -261,10 +287,7 @@ def _delete(args, server):
 def _scheduled(args, server):
     from flows.api_server import shared_api_server
     from flows.prefect_flows import scheduled_run
-    params = dict(root=args.out, source=args.source, budgets=args.budgets, fractions=args.fractions,
-                  max_events=args.max_events, cohort_budget=args.cohort_budget, task_runner=args.task_runner,
-                  workers=args.workers, encoder_steps=args.encoder_steps, tokens=args.tokens, config=args.config,
-                  memory_limit=args.memory_limit)
+    params = {k: v for k, v in dict(root=args.out, config=args.config, **_run_params(args)).items() if v is not None}
     fresh = not Path(args.out).exists()
     try:
         with shared_api_server(server):

@@ -150,7 +150,10 @@ def _header(con, path):
     return [c.lower() for c in rel.columns]
 
 
-def connect(workdir: Path, memory_limit: str = "4GB", threads: int | None = None) -> duckdb.DuckDBPyConnection:
+DEFAULT_MEMORY_LIMIT = "4GB"    # DuckDB's memory limit of an extraction unless a run sets one (it spills past it)
+
+
+def connect(workdir: Path, memory_limit: str | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB spilling to ``workdir/spill``: scratch tables (which hold patients' rows) never
     outlive the connection, so no deleted patient survives in a scratch database."""
     workdir = Path(workdir)
@@ -158,7 +161,7 @@ def connect(workdir: Path, memory_limit: str = "4GB", threads: int | None = None
     for stale in workdir.glob("extract.duckdb*"):    # the scratch database file of earlier versions
         stale.unlink()
     con = duckdb.connect()
-    con.execute(f"SET memory_limit={sql_literal(memory_limit)}")
+    con.execute(f"SET memory_limit={sql_literal(memory_limit or DEFAULT_MEMORY_LIMIT)}")
     con.execute(f"SET temp_directory={sql_literal(workdir / 'spill')}")
     con.execute("SET preserve_insertion_order=false")
     if threads:
@@ -371,7 +374,7 @@ def _open_store(out, key):
     return created, suppression(out, key) if key is not None else None
 
 
-def extract(source: Path | str, out: Path | str, key: bytes | None = None, memory_limit: str = "4GB",
+def extract(source: Path | str, out: Path | str, key: bytes | None = None, memory_limit: str | None = None,
             threads: int | None = None, stay_codes: MedsStayCodes | None = None) -> ExtractSummary | None:
     """Extract (or incrementally update) the event store in ``out`` from ``source``: a MIMIC-IV directory, or a
     MEDS dataset (recognised by ``metadata/dataset.json``; ``stay_codes`` says how its ICU stays are read).

@@ -64,6 +64,20 @@ def events_glob(store: Path) -> Path:
     return Path(store) / DATA / "*.parquet"
 
 
+def stays_path(store: Path) -> Path:
+    """The store's ICU stay table (one row per stay; not part of MEDS, beside it)."""
+    return Path(store) / "stays.parquet"
+
+
+def quarantine_dir(store: Path) -> Path:
+    """Rows the extraction set aside, with their reason, one file per source table."""
+    return Path(store) / "quarantine"
+
+
+def quarantine_files(store: Path) -> list[Path]:
+    return sorted(quarantine_dir(store).glob("*.parquet"))
+
+
 def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: list | None = None) -> None:
     """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically. Batches flow
     from DuckDB to the file without collecting the shard in Python."""

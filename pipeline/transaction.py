@@ -19,7 +19,7 @@ from .locking import workspace_lock
 TXN_DIR = ".txn"
 
 
-def _crash_point(step):
+def crash_point(step: str) -> None:
     """Test hook: FORGETFUL_CRASH_AT=<step> kills the process here, as a power cut would."""
     if os.environ.get("FORGETFUL_CRASH_AT") == step:
         os._exit(137)
@@ -49,7 +49,7 @@ class Transaction:
         tmp = self.dir / "journal.json.tmp"
         tmp.write_text(json.dumps({"ops": self.ops}))
         os.replace(tmp, self.dir / "journal.json")
-        _crash_point("journal_written")
+        crash_point("journal_written")
         apply_journal(self.root, self.dir)
 
     def abort(self) -> None:
@@ -73,7 +73,7 @@ def apply_journal(root: Path, txn_dir: Path) -> None:
         elif final.exists():
             final.unlink()
         if i == len(ops) // 2:
-            _crash_point("journal_half_applied")
+            crash_point("journal_half_applied")
     shutil.rmtree(txn_dir)
 
 

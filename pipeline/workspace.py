@@ -27,6 +27,11 @@ class Workspace:
     ledger = property(lambda self: self.root / "ledger.jsonl")
     certificates = property(lambda self: self.root / "certificates")
     generation_file = property(lambda self: self.store / "generation.json")
+    run_params = property(lambda self: self.root / "run.json")          # the last run's parameters (RunParams)
+    phases = property(lambda self: self.root / "run_phases.json")       # the last run's steps and their times
+    cache = property(lambda self: self.root / "cache")                  # per-stay caches, content-keyed
+    statistics = property(lambda self: self.cache / "statistics.json")  # the last run's aggregates
+    config = property(lambda self: self.root / "config.yaml")           # the workspace's cohort config
 
     def stay_memory(self, stay_id: int, key: bytes) -> Path:
         """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from typing import TYPE_CHECKING
+
 from cohorts.characteristics import CohortTable, Count, Row
+
+if TYPE_CHECKING:
+    from run.result import RunResult
 
 DEFAULT_THRESHOLD = 11
 PEOPLE = ("stays", "patients")
@@ -120,11 +125,11 @@ def _suppress_cohort(cohort: dict, threshold: int) -> dict:
     return out
 
 
-def disclosed(result: dict, threshold: int | None = None) -> dict:
+def disclosed(result: RunResult, threshold: int | None = None) -> RunResult:
     """The run's result as a shared report may show it: the cohort table and counts with small cells hidden,
     and every summary and paired row's number of stays ``n`` the same way. ``threshold``: the result's
     metadata ``small_cell_threshold`` (the cohort config's ``report.small_cell_threshold``), else 11."""
-    t = int(threshold or (result.get("metadata") or {}).get("small_cell_threshold") or DEFAULT_THRESHOLD)
-    return {**result, "cohort": _suppress_cohort(result.get("cohort") or {}, t),
-            "summary": [{**r, "n": shown_count(r["n"], t)} for r in result.get("summary") or []],
-            "paired": [{**r, "n": shown_count(r["n"], t)} for r in result.get("paired") or []]}
+    t = int(threshold or result.metadata.get("small_cell_threshold") or DEFAULT_THRESHOLD)
+    return replace(result, cohort=_suppress_cohort(result.cohort, t),
+                   summary=tuple(replace(r, n=shown_count(r.n, t)) for r in result.summary),
+                   paired=tuple(replace(r, n=shown_count(r.n, t)) for r in result.paired))

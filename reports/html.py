@@ -12,6 +12,8 @@ from pathlib import Path
 
 from cohorts.characteristics import CohortTable, Count
 from cohorts.endpoints import EXPLORATORY, FAMILIES, endpoint_of
+from cohorts.results import SUPPORT, Budget, PairedRow, SummaryRow
+from cohorts.stream_mode import StreamMode
 
 from .disclosure import disclosed
 from .tables import cohort_tables, provenance_section
@@ -38,23 +40,14 @@ AXIS_TITLES = {"retention": "fraction kept", "retrieval": "fraction retrieved", 
                "still active", "output_deviation": "readout deviation"}
 
 
-def _is_fraction(budget: str) -> bool:
-    return budget.startswith("f")
-
-
-def _budget_value(budget: str) -> float:
-    return float(budget[1:]) if _is_fraction(budget) else float(budget)
-
-
 def _chart(rows, metric, fractions=False, width=900, height=300, pad=60):
     """Mean and 95% band per policy over the fixed budgets (log axis) or the fraction budgets (linear axis)."""
-    rows = [r for r in rows if r["metric"] == metric and (_is_fraction(r["budget"]) if fractions
-                                                          else r["budget"].isdigit())]
+    rows = [r for r in rows if r.metric == metric and (r.budget.is_fraction if fractions else r.budget.is_fixed)]
     if not rows:
         return ""
-    budgets = sorted({_budget_value(r["budget"]) for r in rows})
+    budgets = sorted({r.budget.axis_value for r in rows})
     # fitted to the data: a fraction that never passes 0.25 gets a 0-0.25 axis, not 0-1
-    top = max((r["ci_high"] for r in rows if math.isfinite(r["ci_high"])), default=1.0)
+    top = max((r.ci_high for r in rows if math.isfinite(r.ci_high)), default=1.0)
     ymax = min(1.0, top * 1.1) if metric != "output_deviation" else top * 1.1
     ymax = ymax if ymax > 0 else 1.0
     scale = (lambda b: b) if fractions else math.log2
@@ -79,7 +72,7 @@ def _chart(rows, metric, fractions=False, width=900, height=300, pad=60):
         v = ymax * k / 4
         parts.append(f'<text x="{pad - 6}" y="{Y(v) + 4:.1f}" font-size="11" text-anchor="end">{v:.2g}</text>')
         parts.append(f'<line x1="{pad}" y1="{Y(v):.1f}" x2="{width - pad}" y2="{Y(v):.1f}" stroke="#eee"/>')
-    unit = "tokens" if rows[0].get("tokens", "events") == "hourly" else "events"
+    unit = _unit(rows[0])
     direction = "lower is better" if metric in ("output_deviation", "certificate_expiry") else "higher is better"
     xlabel = (f"memory budget as a fraction of the stay's stream ({unit} kept = fraction x stream length)"
               if fractions else f"memory budget B ({unit} kept, log scale)")
@@ -87,14 +80,14 @@ def _chart(rows, metric, fractions=False, width=900, height=300, pad=60):
     parts.append(f'<text x="14" y="{height / 2}" font-size="12" text-anchor="middle" '
                  f'transform="rotate(-90 14 {height / 2})">{html.escape(AXIS_TITLES.get(metric, metric))} '
                  f'({direction.split()[0]} is better)</text>')
-    for pol in sorted({r["policy"] for r in rows}):
-        pr = sorted((r for r in rows if r["policy"] == pol), key=lambda r: _budget_value(r["budget"]))
+    for pol in sorted({r.policy for r in rows}):
+        pr = sorted((r for r in rows if r.policy == pol), key=lambda r: r.budget.axis_value)
         color = COLORS.get(pol, "#777")
-        band = [(X(_budget_value(r["budget"])), Y(r["ci_high"])) for r in pr] + \
-               [(X(_budget_value(r["budget"])), Y(r["ci_low"])) for r in reversed(pr)]
+        band = [(X(r.budget.axis_value), Y(r.ci_high)) for r in pr] + \
+               [(X(r.budget.axis_value), Y(r.ci_low)) for r in reversed(pr)]
         parts.append(f'<polygon points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in band)}" fill="{color}" '
                      f'fill-opacity="0.15" stroke="none"/>')
-        line = " ".join(f"{X(_budget_value(r['budget'])):.1f},{Y(r['mean']):.1f}" for r in pr)
+        line = " ".join(f"{X(r.budget.axis_value):.1f},{Y(r.mean):.1f}" for r in pr)
         parts.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2">'
                      f'<title>{html.escape(pol)}</title></polyline>')
     parts.append("</svg>")
@@ -107,12 +100,11 @@ def _legend(policies):
 
 
 def _table(summary, paired, metric):
-    budgets = sorted({r["budget"] for r in summary if r["metric"] == metric},
-                     key=lambda b: (not b.isdigit(), float(b.lstrip("f"))))
-    policies = sorted({r["policy"] for r in summary if r["metric"] == metric})
-    idx = {(r["budget"], r["policy"]): r for r in summary if r["metric"] == metric}
-    pidx = {(r["budget"], r["baseline"]): r for r in paired if r["metric"] == metric}
-    unit = "tokens" if summary and summary[0].get("tokens") == "hourly" else "events"
+    budgets = sorted({r.budget for r in summary if r.metric == metric}, key=lambda b: (not b.is_fixed, b.axis_value))
+    policies = sorted({r.policy for r in summary if r.metric == metric})
+    idx = {(r.budget, r.policy): r for r in summary if r.metric == metric}
+    pidx = {(r.budget, r.baseline): r for r in paired if r.metric == metric}
+    unit = _unit(summary[0]) if summary else "events"
     head = "".join(f"<th>{html.escape(p)}</th>" for p in policies)
     body = []
     for b in budgets:
@@ -123,16 +115,20 @@ def _table(summary, paired, metric):
                 cells.append("<td></td>")
                 continue
             d = pidx.get((b, p))
-            extra = (f"<br><small>SV&minus;this {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+            extra = (f"<br><small>SV&minus;this {d.mean_diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}]"
                      f" {_p_text(d)}</small>") if d else ""
-            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={_n(r['n'])}</small>"
+            cells.append(f"<td>{r.mean:.3f} <small>[{r.ci_low:.3f}, {r.ci_high:.3f}] n={_n(r.n)}</small>"
                          f"{extra}</td>")
-        label = f"{b} {unit}" if b.isdigit() else f"{float(b[1:]):.0%} of stream"
+        label = f"{b} {unit}" if b.is_fixed else f"{b.value:.0%} of stream"
         body.append(f"<tr><th>{label}</th>{''.join(cells)}</tr>")
     return f"<table><tr><th>budget</th>{head}</tr>{''.join(body)}</table>"
 
 
-HEADLINE_BUDGET = "32"
+STREAMING_HEADLINE = Budget("tokens", 32)    # the streaming budget the report's first sections read
+
+
+def _unit(row: SummaryRow) -> str:
+    return "tokens" if row.tokens is StreamMode.HOURLY else "events"
 
 
 def _n(count) -> str:
@@ -140,22 +136,23 @@ def _n(count) -> str:
     return html.escape(str(count))
 
 
-def _p_text(d: dict) -> str:
+def _p_text(d: PairedRow) -> str:
     """A comparison's p-value with its family: Holm-adjusted within a declared family, else exploratory."""
-    family = d.get("family", EXPLORATORY)
-    if family == EXPLORATORY or d.get("p_holm") is None:
-        return f"p={d['p_value']:.3g} (exploratory, unadjusted)"
-    return f"p={d['p_value']:.3g} (Holm {d['p_holm']:.3g}, {html.escape(family)} family)"
+    family = d.family
+    if family == EXPLORATORY or d.p_holm is None:
+        return f"p={d.p_value:.3g} (exploratory, unadjusted)"
+    return f"p={d.p_value:.3g} (Holm {d.p_holm:.3g}, {html.escape(family)} family)"
 
 
 def _select(rows, **match):
-    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    """The rows whose fields equal ``match``'s (a budget or stream mode may be given as its text)."""
+    return [r for r in rows if all(str(getattr(r, k)) == str(v) for k, v in match.items())]
 
 
 def _groups(summary):
     """(protocol, tokens, keys, label) groups of the run, in a fixed reading order."""
     order = {"fixed_context": 0, "streaming": 1}
-    return sorted({(r["protocol"], r["tokens"], r["keys"], r["label"]) for r in summary},
+    return sorted({(r.protocol, r.tokens, r.keys, r.label) for r in summary},
                   key=lambda g: (order.get(g[0], 9), g[1], g[3] == "none", g[3], g[2]))
 
 
@@ -164,14 +161,14 @@ def _fixed_table(summary, paired):
     metrics = [m for m in ("retention", "retrieval") if _select(summary, metric=m)]
     head = "".join(f"<th>{html.escape(METRIC_TITLES[m])}</th>" for m in metrics)
     body = []
-    for pol in sorted({r["policy"] for r in summary}, key=lambda p: (p != "sv_certified", p)):
+    for pol in sorted({r.policy for r in summary}, key=lambda p: (p != "sv_certified", p)):
         cells = []
         for m in metrics:
             r = next(iter(_select(summary, policy=pol, metric=m)), None)
             d = next(iter(_select(paired, baseline=pol, metric=m)), None)
-            extra = (f"<br><small>SV&minus;this {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] "
+            extra = (f"<br><small>SV&minus;this {d.mean_diff:+.3f} [{d.ci_low:+.3f}, {d.ci_high:+.3f}] "
                      f"{_p_text(d)}</small>") if d else ""
-            cells.append(f"<td>{r['mean']:.3f} <small>[{r['ci_low']:.3f}, {r['ci_high']:.3f}] n={_n(r['n'])}</small>"
+            cells.append(f"<td>{r.mean:.3f} <small>[{r.ci_low:.3f}, {r.ci_high:.3f}] n={_n(r.n)}</small>"
                          f"{extra}</td>" if r else "<td>&ndash;</td>")
         body.append(f"<tr><th>{html.escape(pol)}</th>{''.join(cells)}</tr>")
     return f"<table><tr><th>policy</th>{head}</tr>{''.join(body)}</table>"
@@ -197,9 +194,9 @@ def _cell(v):
 def _fixed_budget(rows):
     k = next(iter(_select(rows, metric="budget_k")), None)
     dropped = next(iter(_select(rows, metric="support_size_boundary")), None)
-    kept = (f"budget k = |S &cup; E| of the exact solve: mean {k['mean']:.1f} tokens [{k['ci_low']:.1f}, "
-            f"{k['ci_high']:.1f}] over {_n(k['n'])} stays" if k else "no stay scored")
-    return f"<p>{kept}; dropped (k = 0 or k &ge; n): {_n(dropped['n']) if dropped else 0} stays.</p>"
+    kept = (f"budget k = |S &cup; E| of the exact solve: mean {k.mean:.1f} tokens [{k.ci_low:.1f}, "
+            f"{k.ci_high:.1f}] over {_n(k.n)} stays" if k else "no stay scored")
+    return f"<p>{kept}; dropped (k = 0 or k &ge; n): {_n(dropped.n) if dropped else 0} stays.</p>"
 
 
 def _cohort_memory(info):
@@ -225,11 +222,11 @@ def _headline_rows(summary):
     """{(protocol, tokens, keys, label): retention rows at the protocol's headline budget}."""
     out = {}
     for protocol, tokens, keys, label in _groups(summary):
-        budget = "k" if protocol == "fixed_context" else HEADLINE_BUDGET
+        budget = SUPPORT if protocol == "fixed_context" else STREAMING_HEADLINE
         rows = _select(summary, protocol=protocol, tokens=tokens, keys=keys, label=label, budget=budget,
                        metric="retention")
         if label != "none" and rows:
-            out[(protocol, tokens, keys, label)] = sorted(rows, key=lambda r: -r["mean"])
+            out[(protocol, tokens, keys, label)] = sorted(rows, key=lambda r: -r.mean)
     return out
 
 
@@ -243,7 +240,7 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
     labels = list(dict.fromkeys((g[1], g[2], g[3]) for g in groups))
     n_pol = max(len(v) for v in groups.values())
     panel_h = 22 + n_pol * bar + pad
-    top = max(r["ci_high"] for v in groups.values() for r in v if math.isfinite(r["ci_high"]))
+    top = max(r.ci_high for v in groups.values() for r in v if math.isfinite(r.ci_high))
     xmax = min(1.0, top * 1.05) if top > 0 else 1.0
     width, height = 20 + panel_width * len(protocols), 40 + panel_h * len(labels) + 24
     plot_w = panel_width - name_width - 60
@@ -252,7 +249,7 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
              f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>']
     for j, protocol in enumerate(protocols):
         x0 = 20 + j * panel_width
-        budget = "budget k = |S u E| per stay" if protocol == "fixed_context" else f"budget B = {HEADLINE_BUDGET}"
+        budget = "budget k = |S u E| per stay" if protocol == "fixed_context" else f"budget B = {STREAMING_HEADLINE}"
         title = html.escape(protocol.replace("_", " "))
         parts.append(f'<text x="{x0}" y="18" font-size="13" font-weight="bold">{title} ({budget})</text>')
         for i, (tokens, keys, label) in enumerate(labels):
@@ -266,55 +263,55 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
                 def X(v):
                     return bx + max(0.0, min(v, xmax)) / xmax * plot_w
 
-                color = COLORS.get(r["policy"], "#777")
-                weight = ' font-weight="bold"' if r["policy"] == "sv_certified" else ""
+                color = COLORS.get(r.policy, "#777")
+                weight = ' font-weight="bold"' if r.policy == "sv_certified" else ""
                 parts.append(f'<text x="{bx - 4}" y="{y + bar - 4}" font-size="11" text-anchor="end"{weight}>'
-                             f'{html.escape(r["policy"])}</text>'
-                             f'<rect x="{bx}" y="{y + 2}" width="{X(r["mean"]) - bx:.1f}" height="{bar - 4}" '
-                             f'fill="{color}" fill-opacity="0.8"><title>{html.escape(r["policy"])} '
-                             f'{r["mean"]:.3f}</title></rect>'
-                             f'<line x1="{X(r["ci_low"]):.1f}" y1="{y + bar / 2}" x2="{X(r["ci_high"]):.1f}" '
+                             f'{html.escape(r.policy)}</text>'
+                             f'<rect x="{bx}" y="{y + 2}" width="{X(r.mean) - bx:.1f}" height="{bar - 4}" '
+                             f'fill="{color}" fill-opacity="0.8"><title>{html.escape(r.policy)} '
+                             f'{r.mean:.3f}</title></rect>'
+                             f'<line x1="{X(r.ci_low):.1f}" y1="{y + bar / 2}" x2="{X(r.ci_high):.1f}" '
                              f'y2="{y + bar / 2}" stroke="#222"/>'
-                             f'<text x="{X(r["ci_high"]) + 4:.1f}" y="{y + bar - 4}" font-size="10" '
-                             f'fill="#444">{r["mean"]:.2f}</text>')
+                             f'<text x="{X(r.ci_high) + 4:.1f}" y="{y + bar - 4}" font-size="10" '
+                             f'fill="#444">{r.mean:.2f}</text>')
     parts.append(f'<text x="{width / 2}" y="{height - 6}" font-size="12" text-anchor="middle">labelled tokens kept '
                  f'(fraction of each stay\'s, mean over stays; bar = mean, line = 95% interval; axis 0 to '
                  f'{xmax:.2g}), higher is better</text></svg>')
     return "".join(parts)
 
 
-def _compared_rows(d: dict, summary: list) -> tuple[dict | None, dict | None]:
+def _compared_rows(d: PairedRow, summary: list) -> tuple[SummaryRow | None, SummaryRow | None]:
     """The summary rows of SV and of the baseline that the paired comparison ``d`` compares."""
-    at = {k: d[k] for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
+    at = {k: getattr(d, k) for k in ("protocol", "tokens", "keys", "label", "budget", "metric")}
     return (next(iter(_select(summary, policy="sv_certified", **at)), None),
-            next(iter(_select(summary, policy=d["baseline"], **at)), None))
+            next(iter(_select(summary, policy=d.baseline, **at)), None))
 
 
-def _verdict(d: dict, alpha: float) -> str:
+def _verdict(d: PairedRow, alpha: float) -> str:
     """'more', 'less' (SV keeps more or less than the baseline) or 'tied': a difference is claimed only when the
     Holm-adjusted p is below alpha and the paired interval lies on that side of 0 (never a claim beside an
     interval that spans 0)."""
-    if d.get("p_holm") is not None and d["p_holm"] < alpha:
-        if d["ci_low"] > 0:
+    if d.p_holm is not None and d.p_holm < alpha:
+        if d.ci_low > 0:
             return "more"
-        if d["ci_high"] < 0:
+        if d.ci_high < 0:
             return "less"
     return "tied"
 
 
-def _endpoint_item(d: dict, summary: list, alpha: float, size: int) -> str:
+def _endpoint_item(d: PairedRow, summary: list, alpha: float, size: int) -> str:
     """One declared comparison in words: both policies' means, the paired difference and its CI, the p-values,
     and what they support at the family-wise alpha."""
     sv, base = _compared_rows(d, summary)
-    rival = html.escape(d["baseline"])
-    means = f"SV {sv['mean']:.3f} vs {rival} {base['mean']:.3f}; " if sv and base else ""
+    rival = html.escape(d.baseline)
+    means = f"SV {sv.mean:.3f} vs {rival} {base.mean:.3f}; " if sv and base else ""
     verdict = {"more": "<b>SV keeps more</b>", "less": f"<b>{rival} keeps more</b>"}.get(
         _verdict(d, alpha), f"not told apart at family-wise &alpha; = {alpha:g}"
-        + (" (the interval spans 0)" if d["ci_low"] <= 0 <= d["ci_high"] else ""))
-    return (f"<li><b>{html.escape(endpoint_of(d).describe())}</b>: {means}difference {d['mean_diff']:+.3f} "
-            f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] (paired 95% CI, n={_n(d['n'])} stays); sign-flip "
-            f"p={d['p_value']:.3g}, Holm-adjusted within the {html.escape(d['family'])} family of {size}: "
-            f"p={d['p_holm']:.3g}; Wilcoxon signed-rank p={d.get('p_wilcoxon', float('nan')):.3g}: {verdict}.</li>")
+        + (" (the interval spans 0)" if d.ci_low <= 0 <= d.ci_high else ""))
+    return (f"<li><b>{html.escape(endpoint_of(d).describe())}</b>: {means}difference {d.mean_diff:+.3f} "
+            f"[{d.ci_low:+.3f}, {d.ci_high:+.3f}] (paired 95% CI, n={_n(d.n)} stays); sign-flip "
+            f"p={d.p_value:.3g}, Holm-adjusted within the {html.escape(d.family)} family of {size}: "
+            f"p={d.p_holm:.3g}; Wilcoxon signed-rank p={d.p_wilcoxon:.3g}: {verdict}.</li>")
 
 
 def _endpoints(summary: list, paired: list, declared: dict) -> str:
@@ -323,7 +320,7 @@ def _endpoints(summary: list, paired: list, declared: dict) -> str:
     alpha = declared.get("alpha", 0.05)
     out = []
     for family in FAMILIES:
-        rows = [d for d in paired if d.get("family") == family]
+        rows = [d for d in paired if d.family == family]
         names = declared.get(family) or []
         measured = {endpoint_of(d).describe() for d in rows}
         items = [_endpoint_item(d, summary, alpha, len(rows)) for d in rows]
@@ -341,38 +338,38 @@ def _headline(summary, paired, declared: dict):
     most and by how much (exploratory unless the comparison is declared)."""
     items = []
     for (protocol, tokens, keys, label), rows in _headline_rows(summary).items():
-        budget = "k" if protocol == "fixed_context" else HEADLINE_BUDGET
+        budget = SUPPORT if protocol == "fixed_context" else STREAMING_HEADLINE
         sv = next(iter(_select(rows, policy="sv_certified")), None)
         if sv is None:
             continue
         best = rows[0]
-        others = [r for r in rows if r["policy"] != "sv_certified"]
-        rival = max(others, key=lambda r: r["mean"]) if others else None
+        others = [r for r in rows if r.policy != "sv_certified"]
+        rival = max(others, key=lambda r: r.mean) if others else None
         text = (f"<b>{html.escape(protocol.replace('_', ' '))}, {html.escape(tokens)} tokens, "
-                f"{html.escape(label)}</b> (budget {'k = |S u E|' if budget == 'k' else budget}): ")
+                f"{html.escape(label)}</b> (budget {'k = |S u E|' if budget == SUPPORT else budget}): ")
         if rival is None:
-            items.append(f"<li>{text}SV keeps {sv['mean']:.3f}.</li>")
+            items.append(f"<li>{text}SV keeps {sv.mean:.3f}.</li>")
             continue
         d = next(iter(_select(paired, protocol=protocol, tokens=tokens, keys=keys, label=label, budget=budget,
-                              metric="retention", baseline=rival["policy"])), None)
-        tied = d is not None and d["ci_low"] <= 0.0 <= d["ci_high"]
+                              metric="retention", baseline=rival.policy)), None)
+        tied = d is not None and d.ci_low <= 0.0 <= d.ci_high
         if tied:
-            verdict = (f"{'SV' if best['policy'] == 'sv_certified' else html.escape(best['policy'])} has the highest "
-                       f"mean, not told apart from {'SV' if best['policy'] != 'sv_certified' else 'the best other'} "
+            verdict = (f"{'SV' if best.policy == 'sv_certified' else html.escape(best.policy)} has the highest "
+                       f"mean, not told apart from {'SV' if best.policy != 'sv_certified' else 'the best other'} "
                        f"(the paired interval spans 0)")
         else:
-            verdict = "SV keeps most" if best["policy"] == "sv_certified" else \
-                f"SV does <b>not</b> win: {html.escape(best['policy'])} keeps most"
-        diff = (f"; SV&minus;{html.escape(rival['policy'])} {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, "
-                f"{d['ci_high']:+.3f}], {_p_text(d)}") if d else ""
-        items.append(f"<li>{text}{verdict}: SV {sv['mean']:.3f}, best other {html.escape(rival['policy'])} "
-                     f"{rival['mean']:.3f}{diff} (n={_n(sv['n'])} stays).</li>")
+            verdict = "SV keeps most" if best.policy == "sv_certified" else \
+                f"SV does <b>not</b> win: {html.escape(best.policy)} keeps most"
+        diff = (f"; SV&minus;{html.escape(rival.policy)} {d.mean_diff:+.3f} [{d.ci_low:+.3f}, "
+                f"{d.ci_high:+.3f}], {_p_text(d)}") if d else ""
+        items.append(f"<li>{text}{verdict}: SV {sv.mean:.3f}, best other {html.escape(rival.policy)} "
+                     f"{rival.mean:.3f}{diff} (n={_n(sv.n)} stays).</li>")
     cert = []
     for m in ("certified_fraction", "certificate_expiry"):
-        for r in _select(summary, protocol="streaming", budget=HEADLINE_BUDGET, metric=m):
-            cert.append(f"<li>{html.escape(METRIC_TITLES[m])} at B = {HEADLINE_BUDGET} ({html.escape(r['tokens'])} "
-                        f"tokens, keys {html.escape(r['keys'])}): {r['mean']:.3f} [{r['ci_low']:.3f}, "
-                        f"{r['ci_high']:.3f}] over {_n(r['n'])} stays with evictions</li>")
+        for r in _select(summary, protocol="streaming", budget=STREAMING_HEADLINE, metric=m):
+            cert.append(f"<li>{html.escape(METRIC_TITLES[m])} at B = {STREAMING_HEADLINE} ({html.escape(r.tokens)} "
+                        f"tokens, keys {html.escape(r.keys)}): {r.mean:.3f} [{r.ci_low:.3f}, "
+                        f"{r.ci_high:.3f}] over {_n(r.n)} stays with evictions</li>")
     return (f"<section id=\"headline\"><h2>What this run found</h2>{_endpoints(summary, paired, declared)}"
             f"<h3>Exploratory: the policy that keeps most, per protocol and label</h3><ul>{''.join(items)}</ul>"
             f"{_headline_figure(summary)}"
@@ -401,21 +398,21 @@ def _lead_sentence(summary: list, paired: list, declared: dict) -> str:
     """The primary finding in one plain sentence: the first declared primary comparison with both means, the
     paired difference and its interval; then how the primary family came out as a whole."""
     alpha = declared.get("alpha", 0.05)
-    primary = [d for d in paired if d.get("family") == "primary"]
+    primary = [d for d in paired if d.family == "primary"]
     if not primary:
         return ("No primary endpoint was measured in this run" + (" (the cohort config declares none)" if not
                 declared.get("primary") else "") + ": every comparison below is exploratory.")
     d = primary[0]
     sv, base = _compared_rows(d, summary)
-    unit = "hours" if d["tokens"] == "hourly" else "events"
+    unit = "hours" if d.tokens == "hourly" else "events"
     setting = ("With the paper's fixed context (each policy keeps k = |S &cup; E| tokens, the support of the stay's "
-               "exact solve)" if d["protocol"] == "fixed_context" else
-               f"Streaming each stay through a memory of B = {html.escape(str(d['budget']))} tokens")
+               "exact solve)" if d.protocol == "fixed_context" else
+               f"Streaming each stay through a memory of B = {html.escape(str(d.budget))} tokens")
     words = {"more": "more", "less": "less", "tied": "no more and no less, statistically,"}[_verdict(d, alpha)]
-    means = (f"{sv['mean']:.2f} of each stay's {html.escape(LABEL_WORDS.get(d['label'], d['label']))} {unit} "
-             f"against {base['mean']:.2f} for {html.escape(d['baseline'])}") if sv and base else "its labelled tokens"
-    lead = (f"{setting}, SV memory kept {means} (paired difference {d['mean_diff']:+.2f}, 95% CI "
-            f"{d['ci_low']:+.2f} to {d['ci_high']:+.2f}, {_n(d['n'])} stays): {words} than {html.escape(d['baseline'])}")
+    means = (f"{sv.mean:.2f} of each stay's {html.escape(LABEL_WORDS.get(d.label, d.label))} {unit} "
+             f"against {base.mean:.2f} for {html.escape(d.baseline)}") if sv and base else "its labelled tokens"
+    lead = (f"{setting}, SV memory kept {means} (paired difference {d.mean_diff:+.2f}, 95% CI "
+            f"{d.ci_low:+.2f} to {d.ci_high:+.2f}, {_n(d.n)} stays): {words} than {html.escape(d.baseline)}")
     verdicts = [_verdict(x, alpha) for x in primary]
     tally = (f"across all {len(primary)} primary comparisons SV kept more in {verdicts.count('more')}, less in "
              f"{verdicts.count('less')}, and {verdicts.count('tied')} were not told apart (Holm, family-wise "
@@ -423,9 +420,9 @@ def _lead_sentence(summary: list, paired: list, declared: dict) -> str:
     return f"{lead}; {tally}."
 
 
-def _at_a_glance(result: dict, summary: list, paired: list, declared: dict) -> str:
+def _at_a_glance(result: RunResult, declared: dict) -> str:
     """The report's first screen: which data, when, which cohort, and the primary finding in one sentence."""
-    meta, cohort = result.get("metadata") or {}, result.get("cohort") or {}
+    meta, cohort, summary, paired = result.metadata, result.cohort, result.summary, result.paired
     table = cohort.get("characteristics") if isinstance(cohort.get("characteristics"), CohortTable) else None
     source = str(meta.get("data_source") or "unknown source")
     name = Path(source).name if "/" in source else source
@@ -447,15 +444,13 @@ def _jsonable(o):
     return dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
 
 
-def render_report(result: dict, out_dir: Path | str) -> Path:
-    """Write report.html and report.json into ``out_dir``; returns the HTML path.
-
-    ``result``: dict with summary and paired (rows of :func:`cohorts.evaluation.aggregate`), cohort, metadata.
-    """
+def render_report(result: RunResult, out_dir: Path | str) -> Path:
+    """Write report.html and report.json into ``out_dir`` (small counts hidden); returns the HTML path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = disclosed(result)
-    summary, paired = result["summary"], result["paired"]
+    summary, paired = result.summary, result.paired
+    declared = result.metadata.get("declared_endpoints") or {}
     sections = []
     for protocol, tokens, keys, label in _groups(summary):
         match = dict(protocol=protocol, tokens=tokens, keys=keys, label=label)
@@ -472,15 +467,15 @@ def render_report(result: dict, out_dir: Path | str) -> Path:
             mrows = _select(rows, metric=metric)
             if not mrows:
                 continue
-            series = sorted({r["policy"] for r in mrows})
+            series = sorted({r.policy for r in mrows})
             parts.append(f"<h3>{html.escape(METRIC_TITLES[metric])}</h3>{_chart(mrows, metric)}"
                          f"{_chart(mrows, metric, fractions=True)}"
                          f"<p>{_legend(series)}</p>{_table(rows, prows, metric)}")
         sections.append(f"<section><h2>{title}</h2>{''.join(parts)}</section>")
     stream_rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{_cell(v)}</td></tr>"
-                          for k, v in result["cohort"].items() if k != "characteristics")
+                          for k, v in result.cohort.items() if k != "characteristics")
     meta_rows = "".join(f"<tr><th>{html.escape(str(k).replace('_', ' '))}</th><td>{_cell(v)}</td></tr>"
-                        for k, v in result["metadata"].items() if k != "cohort_memory")
+                        for k, v in result.metadata.items() if k != "cohort_memory")
     doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Forgetful retention report</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}}
@@ -490,21 +485,21 @@ pre{{background:#f7f7f7;padding:.5em;overflow-x:auto}}
 .glance{{font-size:1.05em;background:#f3f6fa;padding:.6em .8em;border-left:4px solid #2c3e50}}
 .finding{{font-size:1.15em;line-height:1.45;padding:.2em .8em}}</style></head>
 <body><h1>Forgetful: what a certified SV memory keeps of ICU stays</h1>
-{_at_a_glance(result, summary, paired, result["metadata"].get("declared_endpoints") or {})}
-{_headline(summary, paired, result["metadata"].get("declared_endpoints") or {})}
-{_cohort_memory(result["metadata"].get("cohort_memory"))}
+{_at_a_glance(result, declared)}
+{_headline(summary, paired, declared)}
+{_cohort_memory(result.metadata.get("cohort_memory"))}
 <p>Fixed context (the paper's protocol): per stay, the exact solve over all its tokens sets the budget
 k = |S &cup; E| and every policy keeps k. Streaming: each evaluation stay's tokens in time order through each policy
 at the same budget. Means over stays with 95% percentile-bootstrap intervals; &ldquo;SV&minus;this&rdquo; is the
 paired difference of certified SV selection minus that policy, with a sign-flip permutation p-value. Aggregates
 only.</p>
-{cohort_tables(result["cohort"].get("characteristics"))}
+{cohort_tables(result.cohort.get("characteristics"))}
 <h2>Streams scored</h2><table>{stream_rows}</table>
 {''.join(sections)}
 <h2>Run</h2><table>{meta_rows}</table>
-{provenance_section(result.get("provenance"))}
+{provenance_section(result.provenance)}
 </body></html>"""
     path = out / "report.html"
     path.write_text(doc, encoding="utf-8")
-    (out / "report.json").write_text(json.dumps(result, indent=1, default=_jsonable))
+    (out / "report.json").write_text(json.dumps(result.as_json(), indent=1, default=_jsonable))
     return path

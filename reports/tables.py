@@ -2,7 +2,7 @@
 import html
 
 from cohorts.characteristics import CohortTable, Count, Spread
-from cohorts.provenance import Provenance
+from run.provenance import Provenance
 
 from .disclosure import SUPPRESSED, Hidden
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from cohorts.evaluation import EventStream, aggregate, run_sweep
+from run.result import RunResult
 
 
 def hand_stay():
@@ -23,8 +24,7 @@ def hand_stay():
 def hand_result():
     stays = [replace(hand_stay(), stay_id=i, keys=hand_stay().keys + i * 0.1) for i in range(4)]
     summary, paired = aggregate(run_sweep(stays, budgets=(4, 8, 32), fractions=(0.5,), workers=1))
-    return {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
-            "metadata": {"data_source": "hand-built"}}
+    return RunResult(tuple(summary), tuple(paired), {"stays": 4, "eval_stays": 4}, {"data_source": "hand-built"})
 
 
 def meds_dataset(root: Path, frame) -> Path:

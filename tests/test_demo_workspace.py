@@ -10,13 +10,13 @@ import polars as pl
 import pytest
 
 from cohorts.definitions import load_config
-from cohorts.protocols import score_token_streams
-from cohorts.runs import prepare_token_run, run_metadata, run_statistics, score_pending, update_cohort_memory
-from cohorts.token_run import ScoringPlan
 from pipeline.extract import extract
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
 from reports.html import render_report
+from run.cohort_memory import update_cohort_memory
+from run.evaluate import evaluate, in_process_map
+from run.params import RunParams
 from tests.workspaces import raw_id_hits
 
 DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mimic-iv-demo"
@@ -29,18 +29,9 @@ def demo(tmp_path_factory):
     cfg = load_config()
     ws = Workspace(tmp_path_factory.mktemp("demo") / "ws")
     extract(DEMO, ws.store, key=load_key())
-    index, cohort = prepare_token_run(ws, cfg)
-    budgets = (32,)
-
-    def score(batch, advance):
-        return score_token_streams(batch, budgets, (), index.settings, cfg["protocols"]["fixed_context"],
-                                   memory_budget=32, fraction_cap=32)
-    score_pending(ws, index, cfg, ScoringPlan(budgets, (), 32, 32), score)
-    summary, paired = run_statistics(ws)
-    update_cohort_memory(ws, cfg, budget=64, tokens="hourly")
-    result = {"summary": summary, "paired": paired, "cohort": cohort,
-              "metadata": run_metadata(ws, budgets, (), None, 32, 1.0, tokens="hourly", settings=index.settings,
-                                       cfg=cfg)}
+    params = RunParams(budgets=(32,), fractions=(), source=str(DEMO))
+    result = evaluate(ws, params, in_process_map, cfg)
+    update_cohort_memory(ws, cfg, budget=64, tokens=params.tokens)
     render_report(result, ws.root)
     return ws
 

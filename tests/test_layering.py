@@ -1,11 +1,12 @@
-"""The code's shape: imports point one way (memory <- pipeline <- cohorts <- reports <- deletion <- flows), at any
-depth of a module (a function-level import counts); memory/ imports neither Polars nor Prefect; every public
-function has type hints; no function but the compiled solver core's runs past 80 lines."""
+"""The code's shape: imports point one way (memory <- pipeline <- cohorts <- run <- reports <- deletion <- flows),
+at any depth of a module (a function-level import counts); no two modules import each other in a circle; no
+private name crosses a package; deletion takes the run from few modules; memory/ imports neither Polars nor
+Prefect; every public function has type hints; no function but the compiled solver core's runs past 80 lines."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["memory", "pipeline", "cohorts", "reports", "deletion", "flows"]
+ORDER = ["memory", "pipeline", "cohorts", "run", "reports", "deletion", "flows"]
 
 
 def _imports(path):
@@ -16,10 +17,72 @@ def _imports(path):
             yield from (a.name for a in node.names)
 
 
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_imports(path: Path):
+    """(module, names) of every import of a project module by ``path``, relative ones resolved, at any depth
+    (under ``if TYPE_CHECKING:`` and inside functions too)."""
+    package = _module_of(path) if path.name == "__init__.py" else _module_of(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            names = [a.name for a in node.names]
+            if module.split(".")[0] in ORDER:
+                # `from . import derived` imports a module, not a name
+                subs = [n for n in names if (ROOT / module.replace(".", "/") / f"{n}.py").exists()]
+                yield from ((f"{module}.{n}", []) for n in subs)
+                if set(names) - set(subs):
+                    yield module, [n for n in names if n not in subs]
+        elif isinstance(node, ast.Import):
+            yield from ((a.name, []) for a in node.names if a.name.split(".")[0] in ORDER)
+
+
+def _project_files():
+    return [p for pkg in ORDER for p in sorted((ROOT / pkg).glob("*.py"))]
+
+
 def test_every_import_points_down_the_layers():
     upward = [(f"{pkg}/{p.name}", m) for pkg in ORDER for p in sorted((ROOT / pkg).glob("*.py"))
               for m in _imports(p) if m.split(".")[0] in ORDER and ORDER.index(m.split(".")[0]) > ORDER.index(pkg)]
     assert upward == []
+
+
+def test_no_two_modules_import_each_other_in_a_circle():
+    graph = {_module_of(p): {m for m, _ in _project_imports(p)} for p in _project_files()}
+    circles, state = [], {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if n == m or n not in graph:
+                continue
+            if state.get(n) == "open":
+                circles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert circles == []
+
+
+def test_no_private_name_is_imported_from_another_package():
+    private = [(str(p.relative_to(ROOT)), m, n) for p in _project_files() for m, names in _project_imports(p)
+               for n in names if n.startswith("_") and m.split(".")[0] != p.parent.name]
+    assert private == []
+
+
+def test_deletion_takes_the_run_from_at_most_three_modules():
+    """Outside the layers below the cohort (memory, pipeline) and the report's, deletion/ reads the run through
+    few doors: its config, its evaluation and its cohort memory."""
+    used = {m for p in sorted((ROOT / "deletion").glob("*.py")) for m, _ in _project_imports(p)
+            if m.split(".")[0] in ("cohorts", "run")}
+    assert len(used) <= 3, sorted(used)
 
 
 def test_memory_needs_no_data_frames_and_no_orchestrator():

@@ -1,14 +1,15 @@
 """The report's cohort table, criterion breakdown, quarantine and provenance, checked by hand."""
 import hashlib
 import json
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 import polars as pl
 
 from cohorts.characteristics import Count, Spread, death_stays, describe_cohort, token_counts
 from cohorts.definitions import deterioration_hours
-from cohorts.provenance import provenance
 from reports.html import render_report
+from run.provenance import provenance
 from tests.builders import hand_result
 
 T0 = datetime(2150, 1, 1)
@@ -88,12 +89,12 @@ def test_provenance_names_files_code_packages_and_config(tmp_path):
 
 def test_report_shows_the_cohort_and_provenance_and_keeps_them_in_its_json(tmp_path):
     result = hand_result()
-    result["cohort"]["characteristics"] = describe(tmp_path)
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "manifest.json").write_text(json.dumps({"files": {}, "runs": []}))
-    result["provenance"] = provenance(tmp_path / "store", tmp_path, "hand-built")
+    result = replace(result, cohort={**result.cohort, "characteristics": describe(tmp_path)},
+                     provenance=provenance(tmp_path / "store", tmp_path, "hand-built"))
     assert "2 (67%)" not in render_report(result, tmp_path / "shared").read_text()    # a small cell: hidden
-    result["metadata"]["small_cell_threshold"] = 1                                      # shows every count
+    result = result.with_metadata(small_cell_threshold=1)                               # shows every count
     text = render_report(result, tmp_path / "out").read_text()
     assert '<section id="cohort">' in text and '<section id="provenance">' in text
     assert "2 (67%)" in text                      # female, all stays

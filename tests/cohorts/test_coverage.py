@@ -10,7 +10,7 @@ import pytest
 from cohorts.coverage import check_channels_read, code_counts, suggest_config
 from cohorts.definitions import load_config
 from cohorts.errors import EmptyRunError
-from cohorts.runs import prepare_token_run
+from run.steps import prepare_token_run
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import load_key

@@ -64,12 +64,12 @@ def _rows(n_stays=30, grid=700, seed=0):
 def test_a_strong_primary_effect_is_significant_however_large_the_exploratory_grid():
     rows = _rows()
     _, paired = aggregate(rows, endpoints=_declared(primary=[PRIMARY]))
-    primary = [d for d in paired if d["family"] == "primary"]
+    primary = [d for d in paired if d.family == "primary"]
     assert len(primary) == 1 and len(paired) == 701
-    assert primary[0]["p_holm"] == primary[0]["p_value"] < 0.001 and primary[0]["p_wilcoxon"] < 1e-5
-    assert all(d["p_holm"] is None for d in paired if d["family"] == EXPLORATORY)
+    assert primary[0].p_holm == primary[0].p_value < 0.001 and primary[0].p_wilcoxon < 1e-5
+    assert all(d.p_holm is None for d in paired if d.family == EXPLORATORY)
     # what Holm over the whole run gave: 701 comparisons with a sign-flip floor of 1/10001 -> never below 0.07
-    assert holm([d["p_value"] for d in paired])[paired.index(primary[0])] > 0.05
+    assert holm([d.p_value for d in paired])[paired.index(primary[0])] > 0.05
 
 
 def test_holm_runs_within_each_family_and_resamples_suffice_for_its_alpha():
@@ -81,6 +81,6 @@ def test_holm_runs_within_each_family_and_resamples_suffice_for_its_alpha():
     rows += [{**r, "label": "heldout_spo2", "keys": "without_spo2"} for r in rows]
     rows += [{**r, "policy": p} for r in rows if r["policy"] == "h2o_proxy" for p in ("recency", "random")]
     _, paired = aggregate(rows, endpoints=e)
-    sec = [d for d in paired if d["family"] == "secondary"]
+    sec = [d for d in paired if d.family == "secondary"]
     assert len(sec) == 3
-    assert [d["p_holm"] for d in sec] == pytest.approx(holm([d["p_value"] for d in sec]))
+    assert [d.p_holm for d in sec] == pytest.approx(holm([d.p_value for d in sec]))

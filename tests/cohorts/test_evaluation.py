@@ -9,6 +9,7 @@ import pytest
 from cohorts.evaluation import EventStream, aggregate, bootstrap_ci, run_sweep, score_stay, sign_flip_p
 from memory.policies import POLICIES, Recency, ReservoirRandom, ResidualRetention, SoftmaxHeavyHitter, SVSelection
 from reports.html import render_report
+from run.result import RunResult
 from tests.builders import hand_stay
 
 
@@ -102,8 +103,8 @@ def test_aggregate_pairs_sv_with_each_baseline():
         rows.append({"stay_id": s, "budget": "8", "policy": "sv_certified", "rare_recall": 1.0})
         rows.append({"stay_id": s, "budget": "8", "policy": "recency", "rare_recall": 0.0 if s < 8 else 1.0})
     summary, paired = aggregate(rows)
-    d = [p for p in paired if p["baseline"] == "recency"][0]
-    assert d["mean_diff"] == pytest.approx(0.8) and d["n"] == 10 and d["p_value"] < 0.05
+    d = [p for p in paired if p.baseline == "recency"][0]
+    assert d.mean_diff == pytest.approx(0.8) and d.n == 10 and d.p_value < 0.05
     lo, hi = bootstrap_ci([1.0] * 5)
     assert lo == hi == 1.0
     assert sign_flip_p([0.0, 0.0]) == 1.0
@@ -126,8 +127,8 @@ def test_report_is_self_contained_and_covers_every_policy_and_budget(tmp_path):
                      learned_keys=2.0 * hand_stay().keys - i * 0.1) for i in range(4)]
     rows = run_sweep(stays, budgets=(4, 8), fractions=(0.5,), workers=1)
     summary, paired = aggregate(rows)
-    result = {"summary": summary, "paired": paired, "cohort": {"stays": 4, "eval_stays": 4},
-              "metadata": {"data_source": "hand-built", "code_version": "test"}}
+    result = RunResult(tuple(summary), tuple(paired), {"stays": 4, "eval_stays": 4},
+                       {"data_source": "hand-built", "code_version": "test"})
     path = render_report(result, tmp_path)
     text = path.read_text()
     p = _Collect()

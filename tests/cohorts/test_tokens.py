@@ -194,8 +194,8 @@ def test_aggregate_long_rows_pairs_within_protocol_and_label_with_holm():
     declared = endpoints_from_config({"token_labels": {"composite_vitals": {}}, "endpoints": {"primary": [
         {"protocol": "streaming", "label": "composite_vitals", "budget": 32, "baselines": ["recency", "random"]}]}})
     summary, paired = aggregate(rows, endpoints=declared)
-    d = {p["baseline"]: p for p in paired}
-    assert d["recency"]["mean_diff"] == pytest.approx(10 / 12) and d["recency"]["p_value"] < 0.01
-    assert d["random"]["p_value"] == 1.0 and d["recency"]["p_holm"] == pytest.approx(2 * d["recency"]["p_value"])
-    assert {r["family"] for r in paired} == {"primary"}
+    d = {p.baseline: p for p in paired}
+    assert d["recency"].mean_diff == pytest.approx(10 / 12) and d["recency"].p_value < 0.01
+    assert d["random"].p_value == 1.0 and d["recency"].p_holm == pytest.approx(2 * d["recency"].p_value)
+    assert {r.family for r in paired} == {"primary"}
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])

@@ -7,7 +7,8 @@ import pytest
 
 from cohorts.definitions import build_cohort, load_config
 from cohorts.evaluation import run_sweep
-from cohorts.runs import save_results, update_cohort_memory
+from run.cohort_memory import update_cohort_memory
+from run.steps import save_results
 from cohorts.streams import evaluation_streams
 from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject, scan_subject
 from memory.cohort import CohortMemory
@@ -86,7 +87,7 @@ def _append_late_rows(ws):
 
 
 def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_order(plain_ws, tmp_path):
-    from cohorts.runs import load_scaler
+    from run.cohort_memory import load_scaler
     from cohorts.streams import cohort_stream
     ws = copy_ws(plain_ws, tmp_path / "ws")
     again = update_cohort_memory(ws, budget=24, tokens="events")

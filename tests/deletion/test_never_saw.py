@@ -10,10 +10,6 @@ import polars as pl
 import pytest
 
 from cohorts.definitions import install_config, is_eval_subject, resolve_config, workspace_config
-from cohorts.protocols import score_token_streams
-from cohorts.provenance import provenance
-from cohorts.runs import (prepare_token_run, run_metadata, run_statistics, score_pending, scoring_plan,
-                          update_cohort_memory)
 from deletion import delete_subject
 from deletion.compare import compare_workspaces
 from memory.cohort import CohortMemory, owner_of
@@ -22,29 +18,22 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import load_key, subject_ref
 from pipeline.workspace import Workspace
 from reports.html import render_report
+from run.cohort_memory import update_cohort_memory
+from run.evaluate import evaluate, in_process_map
+from run.params import RunParams
 from tests.workspaces import copy_ws
 
-BUDGETS, FRACTIONS = (8, 32), (0.1,)
+PARAMS = RunParams(budgets=(8, 32), fractions=(0.1,), cohort_budget=24, chunk_stays=4, source="the generator")
 
 
 def run(ws):
-    """The scheduled run's steps (hourly tokens) as plain functions: tokens, labels, scoring, statistics,
-    cohort memory, report."""
+    """The scheduled run's evaluation (hourly tokens), cohort memory and report, as the flow runs them (without
+    Prefect), its parameters saved with the workspace as the flow saves them."""
     cfg = workspace_config(ws.root)
-    index, cohort = prepare_token_run(ws, cfg, chunk_stays=4)
-    plan = scoring_plan(BUDGETS, FRACTIONS)
-
-    def score(batch, advance):
-        return score_token_streams(batch, plan.budgets, plan.fractions, index.settings,
-                                   cfg["protocols"]["fixed_context"], plan.memory_budget, plan.fraction_cap)
-    score_pending(ws, index, cfg, plan, score)
-    summary, paired = run_statistics(ws)
-    metadata = run_metadata(ws, plan.budgets, plan.fractions, None, plan.memory_budget, 1.0, tokens="hourly",
-                            settings=index.settings, cfg=cfg)
-    metadata["data_source"] = "the generator"
-    metadata["cohort_memory"] = update_cohort_memory(ws, cfg, budget=24, tokens="hourly")
-    render_report({"summary": summary, "paired": paired, "cohort": cohort, "metadata": metadata,
-                   "provenance": provenance(ws.store, ws.root, "the generator")}, ws.root)
+    PARAMS.save(ws.run_params)
+    result = evaluate(ws, PARAMS, in_process_map, cfg)
+    memory = update_cohort_memory(ws, cfg, budget=PARAMS.cohort_budget, tokens=PARAMS.tokens)
+    render_report(result.with_metadata(cohort_memory=memory), ws.root)
 
 
 def without(source, dest, sid):

@@ -15,17 +15,18 @@ SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
 def test_the_deployment_names_a_real_flow_with_valid_parameters_and_schedule():
     from prefect.client.schemas.schedules import CronSchedule
 
-    from cohorts.runs import TOKEN_MODES
     from flows import prefect_flows
+    from run.params import DEFAULT_CRON, StreamMode
     (dep,) = SPEC["deployments"]
     path, name = dep["entrypoint"].split(":")
     assert (ROOT / path).resolve() == Path(prefect_flows.__file__).resolve()
     flow = getattr(prefect_flows, name)
     assert flow.name == "forgetful-scheduled-run"
     assert set(dep["parameters"]) <= set(inspect.signature(flow.fn).parameters)
-    assert dep["parameters"]["tokens"] in TOKEN_MODES
+    assert dep["parameters"]["tokens"] in {m.value for m in StreamMode}
     for s in dep["schedules"]:
         CronSchedule(cron=s["cron"], timezone=s["timezone"])       # raises on an invalid cron or zone
+        assert s["cron"] == DEFAULT_CRON                            # `forgetful serve` schedules the same nights
     assert SPEC["prefect-version"] == __import__("prefect").__version__
 
 

@@ -334,7 +334,7 @@ def token_workspace(prefect_server, source, tmp_path_factory):
 
 @pytest.mark.slow
 def test_token_mode_run_reports_both_protocols(token_workspace):
-    from cohorts.runs import checkpoint_tokens
+    from run.cohort_memory import checkpoint_tokens
     ws, out = token_workspace
     data = json.loads(ws.report_json.read_text())
     rows = data["summary"]
@@ -358,7 +358,7 @@ def test_token_mode_run_reports_both_protocols(token_workspace):
 @pytest.mark.slow
 def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
     from cohorts.definitions import load_config
-    from cohorts.runs import load_scaler
+    from run.cohort_memory import load_scaler
     from cohorts.streams import cohort_stream
     ws = copy_ws(token_workspace[0], tmp_path / "dec")
     sid = subject_with_memory_tokens(ws)

@@ -15,7 +15,7 @@ import pytest
 
 from cohorts.definitions import load_config, resolve_config
 from cohorts.predicates import code_expr, matching_codes, value_expr
-from cohorts.runs import prepare_token_streams
+from run.reference import prepare_token_streams
 from deletion import delete_subject, scan_subject
 from pipeline.extract import ExtractionError, extract, quarantine_reasons, scan_events
 from pipeline.extract_rules import DEATH_DATE_ONLY

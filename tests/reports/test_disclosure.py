@@ -1,7 +1,9 @@
 """Small-cell suppression: no count of 1 to 10 people or stays shows in a report, its JSON or the console, and no
 hidden count can be worked back from the cells around it (the demo's report: tests/test_demo_workspace.py)."""
 from cohorts.characteristics import CohortTable, Count, Row
+from cohorts.results import SummaryRow
 from reports.disclosure import Hidden, disclosed, suppress_table
+from run.result import RunResult
 
 
 def _table(*rows):
@@ -31,7 +33,7 @@ def test_a_partition_hides_a_second_row_and_counts_of_tokens_or_hours_stay():
 
 
 def test_zero_is_shown_and_the_threshold_comes_from_the_run():
-    result = {"summary": [{"n": 0}, {"n": 7}, {"n": 12}], "paired": [], "cohort": {"stays": 12},
-              "metadata": {"small_cell_threshold": 13}}
-    shown = disclosed(result)
-    assert [r["n"] for r in shown["summary"]] == [0, "<13", "<13"] and shown["cohort"]["stays"] == "<13"
+    rows = tuple(SummaryRow("streaming", "hourly", "all_channels", "none", "32", "retention", "sv_certified", n=n)
+                 for n in (0, 7, 12))
+    shown = disclosed(RunResult(rows, (), {"stays": 12}, {"small_cell_threshold": 13}))
+    assert [r.n for r in shown.summary] == [0, "<13", "<13"] and shown.cohort["stays"] == "<13"

@@ -98,9 +98,8 @@ document.body.setAttribute("data-text", s ? s.innerText.replace(/\\s+/g, " ") : 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed on this machine")
 def test_the_first_screen_says_which_data_when_which_cohort_and_the_primary_finding(tmp_path):
-    result = hand_result()
-    result["metadata"] |= {"data_source": "/data/mimic-iv-3.1", "generated_at": "2026-12-06 03:00:00 UTC",
-                           "tokens_mode": "events"}
+    result = hand_result().with_metadata(data_source="/data/mimic-iv-3.1", generated_at="2026-12-06 03:00:00 UTC",
+                                         tokens_mode="events")
     screen = first_screen(render_report(result, tmp_path), tmp_path)
     assert screen["bottom"] <= screen["height"], screen          # all of it without scrolling
     text = screen["text"]

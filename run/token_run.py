@@ -5,7 +5,7 @@ Phases (each reports progress; memory grows with the largest chunk of stays, not
 1. **tokens** (:func:`stay_facts`): per chunk of whole subjects of one shard (:mod:`cohorts.stay_chunks`),
    each stay's content key; for stays whose key is not cached, their filled tokens, per-channel reading
    counts, the hours each deterioration criterion fires, a death flag and their per-code event counts, into
-   the per-stay caches (:mod:`cohorts.stay_cache`). A shard whose file, stays, config and code are unchanged
+   the per-stay caches (:mod:`run.stay_cache`). A shard whose file, stays, config and code are unchanged
    since the last run is not read at all.
 2. **labels** (:func:`label_run`): the rare-code vocabulary from the cached training-split code counts; the
    hours holding a rare code (cached per stay and vocabulary); token scaling (declared in the config, or
@@ -28,25 +28,26 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from cohorts.characteristics import death_stays, describe_cohort
+from cohorts.definitions import build_cohort, deterioration_hours, rare_from_counts
+from cohorts.protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on,
+                               token_streams)
+from cohorts.stay_chunks import (StayChunk, chunk_events, chunk_scan, code_digest, in_windows, plan_chunks,
+                                 stay_digests)
+from cohorts.tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, declared_scaling,
+                            filled_tokens, label_specs, reading_spec, threshold_expr)
 from pipeline.extract import store_codes
 from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import LabelFiles, shard_of
 from pipeline.privacy import id_refs, keyed_hash, store_key
 
-from .characteristics import death_stays, describe_cohort
-from .definitions import CohortConfigError, build_cohort, deterioration_hours, rare_from_counts
-from .protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on, token_streams)
 from .stay_cache import StayCache
-from .stay_chunks import StayChunk, chunk_events, chunk_scan, code_digest, in_windows, plan_chunks, stay_digests
-from .tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, declared_scaling, filled_tokens,
-                     label_specs, reading_spec, threshold_expr)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
     from pipeline.workspace import Workspace
 
-KINDS = ("tokens", "facts", "fired", "codes", "rare", "grid", "scores")
 INDEX = "index"
 
 
@@ -80,7 +81,7 @@ def _shard_fingerprint(store: Path, shard: int, stays: pl.DataFrame, cfg_key: st
 
 
 def _index_path(ws: Workspace, shard: int) -> Path:
-    return ws.root / "cache" / INDEX / f"{shard}.json"
+    return ws.cache / INDEX / f"{shard}.json"
 
 
 def _load_index(ws: Workspace, shard: int) -> dict:
@@ -136,7 +137,7 @@ def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Calla
     names = [c.name for c in channels]
     spec = reading_spec(channels, store_codes(store))
     secret = store_key(store, ws.root)
-    caches = {k: StayCache(ws.root, k) for k in ("tokens", "facts", "fired", "codes")}
+    caches = {k: StayCache(ws, k) for k in ("tokens", "facts", "fired", "codes")}
     keys_all, computed = {}, 0
     for shard in range(N_BUCKETS):
         rows = cohort.filter(pl.col("shard") == shard).drop("shard")
@@ -177,7 +178,7 @@ def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Calla
 def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: dict) -> None:
     """The rare codes of the run, from the cached per-stay code counts: the training split's counts and every
     code of the cohort's stays."""
-    codes = StayCache(ws.root, "codes").scan()
+    codes = StayCache(ws, "codes").scan()
     if codes is None:
         index.rare, index.rare_threshold = set(), 0.0
         return
@@ -191,7 +192,7 @@ def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: dict) -> None:
 
 def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int) -> None:
     """Phase 2a: per stay the hours holding a rare code, cached under the stay's key and the vocabulary."""
-    cache = StayCache(ws.root, "rare")
+    cache = StayCache(ws, "rare")
     vocab = _digest(sorted(index.rare))
     index.cohort = index.cohort.with_columns(
         pl.col("key").map_elements(lambda k: _digest(k, vocab), return_dtype=pl.String).alias("rare_key"))
@@ -216,7 +217,7 @@ def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int) -> None:
 def fit_scaling(ws: Workspace, index: StayIndex, names: list[str]) -> TokenScaling:
     """Training-split statistics per channel from the cached tokens (as :meth:`TokenScaling.fit`), in a fixed
     row order so a cached and a fresh run agree to the last bit."""
-    tokens = StayCache(ws.root, "tokens").scan()
+    tokens = StayCache(ws, "tokens").scan()
     train = index.cohort.filter(pl.col("split") == "train").select("stay_id", "key")
     frame = (tokens.join(train.lazy(), on="key").sort("stay_id", "hour").select(names).collect()
              if tokens is not None else pl.DataFrame(schema={n: pl.Float64 for n in names}))
@@ -231,7 +232,7 @@ def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split
     rows = index.shard_rows(shard)
     if split is not None:
         rows = rows.filter(pl.col("split") == split)
-    tokens = StayCache(ws.root, "tokens").read(shard, rows["key"].to_list())
+    tokens = StayCache(ws, "tokens").read(shard, rows["key"].to_list())
     if tokens is None or rows.height == 0:
         return pl.DataFrame()
     tok = (tokens.join(rows.select("key", "stay_id", "subject_id", "split", "intime"), on="key")
@@ -241,11 +242,11 @@ def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split
     specs = label_specs(cfg)
     tok = tok.with_columns(threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s)
     bins = {}
-    fired = StayCache(ws.root, "fired").read(shard, rows["key"].to_list())
+    fired = StayCache(ws, "fired").read(shard, rows["key"].to_list())
     if fired is not None:
         bins["deterioration"] = (fired.filter(pl.col("has_event")).join(rows.select("key", "stay_id"), on="key")
                                  .select("stay_id", "hour"))
-    rare = StayCache(ws.root, "rare").read(shard, rows["rare_key"].to_list())
+    rare = StayCache(ws, "rare").read(shard, rows["rare_key"].to_list())
     if rare is not None:
         bins["rare_items"] = (rare.drop_nulls("hour").join(rows.select(pl.col("rare_key").alias("key"), "stay_id"),
                                                            on="key").select("stay_id", "hour"))
@@ -344,7 +345,7 @@ def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256
                 train = tok.filter(pl.col("stay_id").is_in(pl.Series(sorted(sample), dtype=pl.Int64).implode()))
                 streams = [s for s in token_streams(train, index.scaling, cfg, split="train")
                            if selects_on(s, cfg["protocols"]["streaming"])]
-                scores, n_new = _grid_rows(StayCache(ws.root, "grid"), shard, streams, cfg, grid_cfg_key)
+                scores, n_new = _grid_rows(StayCache(ws, "grid"), shard, streams, cfg, grid_cfg_key)
                 grid += scores
                 computed += n_new
         if on_shard is not None:
@@ -358,8 +359,8 @@ def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256
 def _summary(ws: Workspace, index: StayIndex, cfg: dict, per_stay: pl.DataFrame | None) -> dict:
     specs = label_specs(cfg)
     cohort = index.cohort
-    facts = StayCache(ws.root, "facts").scan()
-    fired = StayCache(ws.root, "fired").scan()
+    facts = StayCache(ws, "facts").scan()
+    fired = StayCache(ws, "fired").scan()
     keys = cohort.select("key", "stay_id").lazy()
     facts = facts.join(keys, on="key").collect() if facts is not None else pl.DataFrame(
         schema={"key": pl.String, "stay_id": pl.Int64, "died": pl.Boolean, "channel": pl.String,
@@ -411,7 +412,7 @@ def pending_streams(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPla
     for :func:`write_results`. ``on_cached(n)``: stays found in the cache (progress)."""
     secret = store_key(ws.store, ws.root)
     ws.stay_memories.mkdir(parents=True, exist_ok=True)
-    cache = StayCache(ws.root, "scores")
+    cache = StayCache(ws, "scores")
     batch, score_keys = [], {}
     for shard in range(N_BUCKETS):
         tok = labelled_shard(ws, index, cfg, shard, split="eval")
@@ -445,7 +446,7 @@ def store_scores(ws: Workspace, streams: list[TokenStream], rows: list[dict]) ->
     frame = pl.DataFrame(rows, infer_schema_length=None)
     frame = frame.with_columns(pl.col("stay_id").replace_strict(key_of, return_dtype=pl.String).alias("key"),
                                pl.col("stay_id").replace_strict(shard_of_stay, return_dtype=pl.Int64).alias("_shard"))
-    cache = StayCache(ws.root, "scores")
+    cache = StayCache(ws, "scores")
     for (shard,), part in frame.group_by(["_shard"]):
         part = part.drop("stay_id", "subject_id", "_shard")
         present = cache.keys(int(shard))
@@ -464,7 +465,7 @@ RESULT_COLUMNS = ["stay_ref", "subject_ref", "protocol", "tokens", "keys", "labe
 def write_results(ws: Workspace, index: StayIndex) -> Path:
     """The run's per-stay result rows (patient-level: they stay in the workspace), shard by shard from the
     score cache, which is compacted to the evaluation stays' current keys on the way."""
-    cache, secret = StayCache(ws.root, "scores"), store_key(ws.store, ws.root)
+    cache, secret = StayCache(ws, "scores"), store_key(ws.store, ws.root)
     target = ws.results
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
@@ -501,21 +502,21 @@ class CohortBatch:
 
 class OrderedTokens:
     """The cohort's cached tokens ordered by order key (the bin's start, then the stay's smallest event hash),
-    those after ``after`` (and at or before ``upto``), without ``exclude_subject``'s. DuckDB sorts out of core,
+    those after ``after`` (and at or before ``upto``), without the subjects in ``exclude_subjects``. DuckDB sorts out of core,
     so :meth:`batches` holds one block whatever the cohort's size. ``name(subject_id, stay_id, hour)``: a
     token's id (keyed references, no identifier)."""
 
     def __init__(self, ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, name: Callable,
-                 after: str = "", upto: str | None = None, exclude_subject: int | None = None):
-        self.parts = sorted(StayCache(ws.root, "tokens").dir.glob("*/*.parquet"))
+                 after: str = "", upto: str | None = None, exclude_subjects: frozenset = frozenset()):
+        self.parts = sorted(StayCache(ws, "tokens").dir.glob("*/*.parquet"))
         self.scaling, self.name = scaling, name
         self.cohort = index.cohort.select("key", "stay_id", "subject_id", "intime").to_arrow()
         files = "[" + ", ".join(map(sql_literal, self.parts)) + "]"
         secs = int(3600 * bin_hours(cfg))
         where = ["order_key > ?"] + (["order_key <= ?"] if upto is not None else []) + \
-            (["subject_id <> ?"] if exclude_subject is not None else [])
+            (["NOT list_contains(?::BIGINT[], subject_id)"] if exclude_subjects else [])
         self.params = [after] + ([upto] if upto is not None else []) + \
-            ([int(exclude_subject)] if exclude_subject is not None else [])
+            ([sorted(int(s) for s in exclude_subjects)] if exclude_subjects else [])
         cols = ", ".join(f'"{n}"' for n in scaling.channels)
         self.rows = f"""
             WITH t AS (SELECT * FROM read_parquet({files})),

@@ -2,43 +2,12 @@
 from __future__ import annotations
 
 import hashlib
-import platform
-import subprocess
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from cohorts.definitions import workspace_config_path
 from pipeline.extract import load_manifest
-
-from .definitions import workspace_config_path
-
-# The packages whose versions can change a number in the report.
-PACKAGES = ("forgetful", "numpy", "scipy", "numba", "polars", "duckdb", "pyarrow", "scikit-learn", "torch",
-            "prefect")
-
-
-def code_version() -> str:
-    """The installed package's version and, in a git checkout, its commit."""
-    try:
-        v = version("forgetful")
-    except PackageNotFoundError:
-        v = "unknown"
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    return f"{v}+{rev}" if rev else v
-
-
-def package_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+from pipeline.versions import code_version, package_versions
 
 
 @dataclass(frozen=True)

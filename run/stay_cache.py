@@ -1,7 +1,7 @@
 """Per-stay results cached in the workspace, so a nightly run recomputes only stays whose rows, config or code
 changed.
 
-One folder of parquet parts per kind and shard, ``WS/cache/<kind>/<K>/``, whose rows carry a ``key`` column: a content
+One folder of parquet parts per kind and shard, ``WS/cache/<kind>/<K>/`` (:attr:`Workspace.cache`), whose rows carry a ``key`` column: a content
 key (a digest of the stay's rows, the config and the code, see :mod:`cohorts.stay_chunks`), never an
 identifier. A run reads the keys present, computes the missing ones, and rewrites the shard's table with the
 keys still wanted (entries of stays that changed or left, a deleted patient's among them, are dropped).
@@ -12,18 +12,20 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
-CACHE_DIR = "cache"
+if TYPE_CHECKING:
+    from pipeline.workspace import Workspace
 
 
 class StayCache:
     """The cached rows of one kind (``tokens``, ``scores``, ...) of a workspace: per shard, a folder of parts
     (a run appends a part per batch; :meth:`update` compacts the shard to the keys still wanted)."""
 
-    def __init__(self, root: Path, kind: str):
-        self.dir = Path(root) / CACHE_DIR / kind
+    def __init__(self, ws: Workspace, kind: str):
+        self.dir = ws.cache / kind
 
     def parts(self, shard: int) -> list[Path]:
         d = self.dir / str(int(shard))

@@ -10,8 +10,9 @@ from cohorts import evaluation
 from cohorts.definitions import load_config
 from cohorts.evaluation import aggregate, bootstrap_ci, sign_flip_p
 from cohorts.protocols import score_token_streams
-from cohorts.runs import prepare_token_run, prepare_token_streams, score_pending
-from cohorts.token_run import ScoringPlan
+from run.reference import prepare_token_streams
+from run.steps import prepare_token_run, score_pending
+from run.token_run import ScoringPlan
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import id_refs, load_key, subject_ref
@@ -59,7 +60,7 @@ def test_the_chunked_run_equals_the_whole_cohort_in_memory(source, tmp_path):
     # the caches name no stay or patient
     ids = {str(s) for s in index.cohort["stay_id"].to_list() + index.cohort["subject_id"].to_list()}
     assert not set(rows.columns) & {"stay_id", "subject_id"}         # the results name stays by reference
-    for f in (ws.root / "cache").rglob("*"):
+    for f in ws.cache.rglob("*"):
         if f.is_file():
             text = f.read_bytes()
             assert not any(i.encode() in text for i in ids), f

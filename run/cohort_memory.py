@@ -1,0 +1,193 @@
+"""The cohort memory over a workspace: its checkpoints (memory, stream mode, key statistics), its input in global
+time order, and its update after a run. A deletion reads the same input without its patients
+(:meth:`CohortRows.feed` with ``exclude``) and their own rows (:meth:`CohortRows.of_subject`)."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cohorts.definitions import workspace_config
+from cohorts.stream_mode import StreamMode
+from cohorts.streams import CohortStream, cohort_stream, hour_token_names
+from cohorts.tokens import TokenScaling, channels_from_config, declared_scaling
+from memory.cohort import DIGEST_MOD, CohortMemory, history_digest, row_hash
+from pipeline.keys import EventKeyer
+from pipeline.privacy import store_key
+
+from .token_run import OrderedTokens, StayIndex, fit_scaling, stay_facts
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
+
+    from pipeline.workspace import Workspace
+
+STREAM_FILE = "stream.json"          # a checkpoint's stream mode
+SCALER_FILES = {StreamMode.EVENTS: "keyer.parquet", StreamMode.HOURLY: "token_scaling.json"}
+FEED_BLOCK = 2048                    # tokens fed between progress reports
+
+
+def checkpoint_tokens(ckpt: Path) -> StreamMode:
+    """The stream mode a cohort-memory checkpoint was fed (events for checkpoints from before token mode)."""
+    f = Path(ckpt) / STREAM_FILE
+    return StreamMode(json.loads(f.read_text())["tokens"]) if f.exists() else StreamMode.EVENTS
+
+
+def scaler_file(ckpt: Path) -> Path:
+    """The file of a checkpoint's key statistics."""
+    return Path(ckpt) / SCALER_FILES[checkpoint_tokens(ckpt)]
+
+
+def load_scaler(ckpt: Path) -> TokenScaling | EventKeyer:
+    """The key statistics persisted with a checkpoint: an EventKeyer or a TokenScaling."""
+    path = scaler_file(ckpt)
+    return EventKeyer.load(path) if checkpoint_tokens(ckpt) is StreamMode.EVENTS else TokenScaling.load(path)
+
+
+def save_scaler(scaler: TokenScaling | EventKeyer, ckpt: Path, tokens: StreamMode) -> None:
+    tokens = StreamMode(tokens)
+    scaler.save(Path(ckpt) / SCALER_FILES[tokens])
+    (Path(ckpt) / STREAM_FILE).write_text(json.dumps({"tokens": tokens.value}))
+
+
+def copy_checkpoint_extras(src: Path, dst: Path) -> None:
+    """Carry a checkpoint's key statistics and stream mode into a rewritten copy of it."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name not in ("memory.npz", "meta.json"):
+            shutil.copyfile(f, Path(dst) / f.name)
+
+
+def cohort_memory_gamma(cfg: dict, tokens: StreamMode) -> float:
+    """Kernel width of the cohort memory: the fixed-context sigma on token keys, 0.5 on 13-d event keys."""
+    hourly = StreamMode(tokens) is StreamMode.HOURLY
+    return 1.0 / float(cfg["protocols"]["fixed_context"]["sigma"]) ** 2 if hourly else 0.5
+
+
+class CohortRows:
+    """The cohort memory's input over a workspace in one stream mode, under key statistics ``scaler`` (fitted on
+    the training split when None: :attr:`scaler` then holds them). Hourly tokens stream in order from the run's
+    token cache, never all at once; raw events (small stores) are keyed in memory. Each is read on first use."""
+
+    def __init__(self, ws: Workspace, tokens: StreamMode, scaler: TokenScaling | EventKeyer | None = None,
+                 cfg: dict | None = None):
+        self.ws, self.tokens, self._scaler = ws, StreamMode(tokens), scaler
+        self.cfg = cfg or workspace_config(ws.root)
+        self.key = store_key(ws.store, ws.root)
+
+    @property
+    def hourly(self) -> bool:
+        return self.tokens is StreamMode.HOURLY
+
+    @functools.cached_property
+    def index(self) -> StayIndex:
+        return stay_facts(self.ws, self.cfg)
+
+    @functools.cached_property
+    def events(self) -> CohortStream:
+        return cohort_stream(self.ws.store, self.cfg, self.tokens, self.key, scaler=self._scaler)
+
+    @functools.cached_property
+    def scaler(self) -> TokenScaling | EventKeyer:
+        if self._scaler is not None:
+            return self._scaler
+        if not self.hourly:
+            return self.events.scaler
+        names = [c.name for c in channels_from_config(self.cfg)]
+        return declared_scaling(self.cfg, names) or fit_scaling(self.ws, self.index, names)
+
+    def _ordered(self, after: str = "", upto: str | None = None, exclude: frozenset = frozenset()) -> OrderedTokens:
+        return OrderedTokens(self.ws, self.index, self.cfg, self.scaler, hour_token_names(self.key), after=after,
+                             upto=upto, exclude_subjects=exclude)
+
+    def history(self, upto: str) -> int:
+        """The digest of the rows up to order key ``upto`` (what a checkpoint records of what it was fed)."""
+        if not self.hourly:
+            return history_digest(self.events.order_keys, self.events.keys, upto)
+        total = 0
+        for b in self._ordered(upto=upto).batches():
+            total += sum(row_hash(o, k) for o, k in zip(b.order_keys, b.keys))
+        return total % DIGEST_MOD
+
+    def feed(self, mem: CohortMemory, on_fed: Callable | None = None, upto: str | None = None,
+             exclude: frozenset = frozenset()) -> None:
+        """Feed ``mem`` the rows after its watermark (and at or before ``upto``), without the subjects in
+        ``exclude``, in order. ``on_fed(n)``: told every block fed (progress; ``on_fed.set_total`` first)."""
+        if not self.hourly:
+            ev = self.events
+            todo = [i for i, (o, s) in enumerate(zip(ev.order_keys, ev.subject_ids))
+                    if o > mem.watermark and (upto is None or o <= upto) and int(s) not in exclude]
+            blocks = ((ev.keys[b], [ev.token_ids[i] for i in b], [ev.order_keys[i] for i in b])
+                      for b in (todo[lo:lo + FEED_BLOCK] for lo in range(0, len(todo), FEED_BLOCK)))
+            total = len(todo)
+        else:
+            rows = self._ordered(after=mem.watermark, upto=upto, exclude=exclude)
+            blocks = ((b.keys, b.token_ids, b.order_keys) for b in rows.batches(FEED_BLOCK))
+            total = rows.count() if on_fed is not None else 0
+        if on_fed is not None:
+            on_fed.set_total(total)
+        for keys, ids, order in blocks:
+            mem.feed(keys, ids, order)
+            if on_fed is not None:
+                on_fed(len(order))
+
+    def of_subject(self, subject_id: int) -> tuple[list[str], np.ndarray]:
+        """One subject's rows as this input holds them: (order keys, keys), read from the store."""
+        own = cohort_stream(self.ws.store, self.cfg, self.tokens, self.key, scaler=self.scaler,
+                            subject_id=subject_id)
+        return own.order_keys, own.keys
+
+
+def _unchanged_base(ckpts: list[Path], rows: CohortRows) -> tuple:
+    """The latest checkpoint whose fed history is still the store's history up to its watermark (None: none)."""
+    for c in reversed(ckpts):
+        cm = CohortMemory.load(c)
+        if cm.history is not None and rows.history(cm.watermark) == cm.history:
+            return c, cm
+    return None, None
+
+
+def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 128,
+                         tokens: StreamMode = StreamMode.HOURLY, on_fed: Callable | None = None) -> dict:
+    """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
+    seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).
+
+    Rows dated before the memory's watermark that arrived since (late rows, or changed ones) change the
+    store's history up to the watermark: the memory is then rebuilt from the latest checkpoint whose history
+    is unchanged (or from empty), as if the rows had arrived in time order, and the result says so.
+    ``on_fed(n)`` is told every block of tokens fed (progress)."""
+    tokens = StreamMode(tokens)
+    cfg = cfg or workspace_config(ws.root)
+    ckpts = ws.checkpoints()
+    same = [c for c in ckpts if checkpoint_tokens(c) is tokens]
+    if same:
+        mem, scaler = CohortMemory.load(same[-1]), load_scaler(same[-1])
+    else:
+        mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
+    rows = CohortRows(ws, tokens, scaler, cfg)
+    history = ({"checked": mem.history is not None, "changed_before_watermark": False} if same else
+               {"checked": False, "new_memory": True})
+    if same and mem.history is not None and rows.history(mem.watermark) != mem.history:
+        base, base_mem = _unchanged_base(same[:-1], rows)
+        history = {"checked": True, "changed_before_watermark": True,
+                   "rebuilt_from": base.name if base else "empty memory"}
+        mem = base_mem or CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu)
+    fed_before = mem.fed
+    rows.feed(mem, on_fed)
+    seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
+    target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    mem.save(target)
+    save_scaler(rows.scaler, target, tokens)
+    return memory_info(mem, target.name, tokens, mem.fed - fed_before, history)
+
+
+def memory_info(mem: CohortMemory, checkpoint: str, tokens: StreamMode, fed: int, history: dict) -> dict:
+    """What the report says of the cohort memory after a run fed it ``fed`` tokens (or a deletion replayed it)."""
+    return {"checkpoint": checkpoint, "tokens_mode": StreamMode(tokens).value, "fed": int(fed),
+            "tokens": mem.memory.n_tokens, "certified_evictions": mem.policy.certified,
+            "uncertified_evictions": mem.policy.uncertified, "history": history}
