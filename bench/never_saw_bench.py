@@ -76,10 +76,7 @@ def compare_subject(full: Path, work: Path, split: str, sid: int, env: dict) -> 
     for name in artifacts:
         cells = []
         for mode in table:
-            d = table[mode][name]
-            gap = f" (max {d.max_abs:.3g})" if d.max_abs else ""
-            cells.append("equal" if d.equal else f"{d.differing:,} of {d.compared:,} differ{gap}" if d.differing
-                         else f"same; {d.out_of_order:,} of {d.compared:,} out of order")
+            cells.append(table[mode][name].describe())
         print(f"  {name:40s}" + "".join(f"{c:>36s}" for c in cells), flush=True)
 
 

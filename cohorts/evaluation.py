@@ -28,7 +28,7 @@ import polars as pl
 from scipy.stats import wilcoxon
 
 from memory.kernels import rbf
-from memory.policies import POLICIES
+from memory.policies import POLICIES, make_policy
 
 from .endpoints import EXPLORATORY, NO_ENDPOINTS, Endpoints
 from .results import SUPPORT, Budget, PairedRow, SummaryRow
@@ -87,7 +87,7 @@ def score_stay(stay: EventStream, budget: int, policy_names: tuple = tuple(POLIC
         own = stay.learned_keys if policy.key_source == "learned" else keys
         if own is None:
             continue  # no trained encoder in this run
-        pol = policy(budget, gamma=gamma, seed=seed)
+        pol = make_policy(name, budget, gamma=gamma, seed=seed)
         held_at_hour_end = []
         for i in range(n):
             pol.learn_one(own[i], own[i], i)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from memory.kernels import rbf
-from memory.policies import POLICIES, SVSelection
+from memory.policies import SVSelection, make_policy
 from memory.svmemory import SVMemory
 
 from .evaluation import fraction_budget
@@ -32,7 +32,6 @@ from .tokens import KEYSET_ALL, TokenScaling, keyset_of, label_specs
 if TYPE_CHECKING:
     import polars as pl
 
-FIXED_POLICIES = ("sv_certified", "recency", "random", "h2o_proxy", "softmax_h2o", "residual_delta")
 STREAMING_POLICIES = ("sv_certified", "recency", "random", "softmax_h2o", "residual_delta")
 
 
@@ -94,7 +93,7 @@ def exact_alpha(X: np.ndarray, C: float, gamma: float) -> np.ndarray:
 
 
 def online_kept(name: str, X: np.ndarray, budget: int, seed: int) -> np.ndarray:
-    pol = POLICIES[name](budget, seed=seed)
+    pol = make_policy(name, budget, seed=seed)
     for i, x in enumerate(X):
         pol.learn_one(x, x, i)
     return np.array(sorted(pol.kept()), dtype=np.int64)

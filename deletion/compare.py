@@ -43,6 +43,12 @@ class ArtifactDifference:
     def equal(self) -> bool:
         return self.differing == 0 and self.out_of_order == 0
 
+    def describe(self) -> str:
+        """"equal", or how many of its items differ (and by how much), or are out of order."""
+        gap = f" (max {self.max_abs:.3g})" if self.max_abs else ""
+        return ("equal" if self.equal else f"{self.differing:,} of {self.compared:,} differ{gap}" if self.differing
+                else f"same; {self.out_of_order:,} of {self.compared:,} out of order")
+
 
 def _rows_differing(a: pl.DataFrame, b: pl.DataFrame) -> int:
     """Rows one frame holds more often than the other (the frames as multisets of rows)."""

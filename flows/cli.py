@@ -135,7 +135,9 @@ def _quiet_prefect(verbose):
 
 def _run_params(args) -> dict:
     """The run parameters given on the command line (None: not given; the flow takes the workspace's last run's)."""
-    return dict(source=args.source, budgets=args.budgets, fractions=args.fractions, max_events=args.max_events,
+    # a source is saved with the workspace's parameters, for reruns from any folder: its absolute path
+    source = str(Path(args.source).resolve()) if args.source is not None else None
+    return dict(source=source, budgets=args.budgets, fractions=args.fractions, max_events=args.max_events,
                 cohort_budget=args.cohort_budget, task_runner=args.task_runner, workers=args.workers,
                 encoder_steps=args.encoder_steps, tokens=args.tokens, memory_limit=args.memory_limit)
 

@@ -13,7 +13,13 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from .errors import UnknownTokenError
-from .solver_state import grown
+
+
+def grown(a: np.ndarray, shape: tuple, dtype: type = np.float64) -> np.ndarray:
+    """A zero array of ``shape`` holding ``a`` in its leading corner (a buffer grown, contents kept)."""
+    out = np.zeros(shape, dtype=dtype)
+    out[tuple(slice(0, s) for s in a.shape)] = a
+    return out
 
 
 class TokenRecord(NamedTuple):

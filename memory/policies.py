@@ -19,6 +19,7 @@ Every policy holds at most ``budget`` events; ``learn_one(key, value, token_id)`
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
 
 import numpy as np
@@ -26,12 +27,35 @@ import numpy as np
 from .svmemory import SVMemory
 
 
-class SVSelection:
-    name = "sv_certified"
-    key_source = "event"   # which keys of a stream it reads: the event keys, or the learned ones
+class Policy:
+    """A budgeted streaming memory (river's one-event API): :meth:`learn_one` offers one event, :meth:`kept`
+    returns the ids held, never more than ``budget``. ``key_source``: which keys of a stream it reads, the event
+    keys or the learned ones. A subclass's constructor names every option it takes; anything else is an error."""
+    name = ""
+    key_source = "event"
 
-    def __init__(self, budget: int, gamma: float = 0.5, nu: float = 0.5, memory: SVMemory | None = None, **_):
+    def __init__(self, budget: int):
         self.budget = int(budget)
+        if self.budget < 1:
+            raise ValueError(f"a policy's budget must be at least 1, got {budget!r}")
+
+    def learn_one(self, key: np.ndarray, value: np.ndarray | None, token_id: int | str) -> None:
+        raise NotImplementedError
+
+    def kept(self) -> set:
+        raise NotImplementedError
+
+    @classmethod
+    def options(cls) -> frozenset:
+        """The keyword options its constructor takes besides the budget."""
+        return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "budget"}
+
+
+class SVSelection(Policy):
+    name = "sv_certified"
+
+    def __init__(self, budget: int, gamma: float = 0.5, nu: float = 0.5, memory: SVMemory | None = None):
+        super().__init__(budget)
         self.nu = nu
         self.C = 1.0 / (nu * self.budget)
         if math.ceil(1.0 / self.C - 1e-12) > self.budget:
@@ -70,12 +94,11 @@ class SVLearnedSelection(SVSelection):
     key_source = "learned"
 
 
-class Recency:
+class Recency(Policy):
     name = "recency"
-    key_source = "event"
 
-    def __init__(self, budget: int, **_):
-        self.budget = int(budget)
+    def __init__(self, budget: int):
+        super().__init__(budget)
         self.ids = []
 
     def learn_one(self, key: np.ndarray, value: np.ndarray, token_id: int) -> None:
@@ -87,12 +110,11 @@ class Recency:
         return set(self.ids)
 
 
-class SoftmaxHeavyHitter:
+class SoftmaxHeavyHitter(Policy):
     name = "softmax_h2o"
-    key_source = "event"
 
-    def __init__(self, budget: int, **_):
-        self.budget = int(budget)
+    def __init__(self, budget: int):
+        super().__init__(budget)
         self.recent = max(1, self.budget // 2)
         self.ids = []
         self.keys = None   # (budget + 1, d): stored keys in arrival order
@@ -120,12 +142,11 @@ class SoftmaxHeavyHitter:
         return set(self.ids)
 
 
-class ResidualRetention:
+class ResidualRetention(Policy):
     name = "residual_delta"
-    key_source = "event"
 
-    def __init__(self, budget: int, beta: float = 0.5, **_):
-        self.budget = int(budget)
+    def __init__(self, budget: int, beta: float = 0.5):
+        super().__init__(budget)
         self.beta = beta
         self.S = None
         self.heap = []
@@ -151,12 +172,11 @@ class ResidualRetention:
         return {t for _, _, t in self.heap}
 
 
-class ReservoirRandom:
+class ReservoirRandom(Policy):
     name = "random"
-    key_source = "event"
 
-    def __init__(self, budget: int, seed: int = 0, **_):
-        self.budget = int(budget)
+    def __init__(self, budget: int, seed: int = 0):
+        super().__init__(budget)
         self.rng = np.random.default_rng(seed)
         self.ids = []
         self._n = 0
@@ -176,3 +196,15 @@ class ReservoirRandom:
 
 POLICIES = {p.name: p for p in (SVSelection, SVLearnedSelection, Recency, SoftmaxHeavyHitter, ResidualRetention,
                                  ReservoirRandom)}
+
+
+def make_policy(name: str, budget: int, **options) -> Policy:
+    """Policy ``name`` at ``budget``, given those of ``options`` it takes: callers hold one set of run options
+    (the kernel width, the seed) for every policy. An option that no policy takes is refused, so a misspelled one
+    is never dropped silently."""
+    known = frozenset().union(*(p.options() for p in POLICIES.values()))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"no policy takes option(s) {unknown}; the policies' options are {sorted(known)}")
+    policy = POLICIES[name]
+    return policy(budget, **{k: v for k, v in options.items() if k in policy.options()})

@@ -18,18 +18,17 @@ import numpy as np
 from numba import njit
 
 from .kkt import BOUND, BOUNDARY_SNAP, MARGIN, RESERVE
-from .solver_state import GUARDS, SolverBuffers  # noqa: F401 -- GUARDS names the counters indexed below
+from .solver_state import GUARD, MARGIN_SIZE, UPDATES_SINCE_REFACTOR, SolverBuffers
 
 if TYPE_CHECKING:
-    from memory.solver_state import SolverSettings
+    from .solver_state import SolverSettings
 
 DETACHED = 3  # the atom whose coefficient is being swept; outside S, E and R during a sweep
-# A slot whose atom was deleted, until a new atom takes it: a zero coefficient and box, no set, so every loop
-# here that tests a status passes it by. Leaving the slot free instead of moving the last atom into it saves
-# rewriting that atom's kernel column, n strided stores (as much as one pass over the margin rows).
-FREE = 4
 
-_REFUSED, _SMALL_PIVOT, _SCHEDULED, _LARGE, _PINV, _ITER_CAP, _UNCONVERGED = range(7)
+# the safeguard counters this module increments (numba reads these globals as constants)
+_REFUSED, _SMALL_PIVOT, _SCHEDULED = GUARD["refused_dependent"], GUARD["small_pivot"], GUARD["scheduled_refactor"]
+_LARGE, _PINV, _ITER_CAP = GUARD["large_inverse"], GUARD["pinv"], GUARD["iteration_cap"]
+_UNCONVERGED = GUARD["unconverged_refinement"]
 _REFINE_STEPS = 6
 _REFINE_TOL = 1e-12  # residual of the bordered system above which the inverse is rebuilt
 _RESIDUAL_ROUNDING = 1e-15  # a bordered-system residual this small is not worth a correction
@@ -78,8 +77,8 @@ def _copy_row32(K, j, n, KS32, a):
 def refactor(buf: SolverBuffers) -> None:
     """Recompute K_SS and the bordered inverse from K (pseudo-inverse when it is numerically singular)."""
     K, S, KSS, ints, R, guards = buf.K, buf.S, buf.KSS, buf.ints, buf.R, buf.guards
-    m = ints[0]
-    ints[1] = 0
+    m = ints[MARGIN_SIZE]
+    ints[UPDATES_SINCE_REFACTOR] = 0
     if m == 0:
         return
     gather_margin_kernel(K, S, m, KSS)
@@ -103,8 +102,8 @@ def refactor(buf: SolverBuffers) -> None:
 @njit(cache=True)
 def _after_update(buf, cfg, r_max):
     """Count a rank-one update; refactor on schedule or when the update (largest entry: ``r_max``) blew up."""
-    buf.ints[1] += 1
-    if buf.ints[1] >= cfg.refactor_every:
+    buf.ints[UPDATES_SINCE_REFACTOR] += 1
+    if buf.ints[UPDATES_SINCE_REFACTOR] >= cfg.refactor_every:
         buf.guards[_SCHEDULED] += 1
         refactor(buf)
     elif r_max > cfg.r_cap:
@@ -166,12 +165,12 @@ def grow(buf: SolverBuffers, cfg: SolverSettings, n: int, j: int) -> tuple:
     dependent on the margin set's.
     """
     K, S, KSS, KS32, ints, R = buf.K, buf.S, buf.KSS, buf.KS32, buf.ints, buf.R
-    m = ints[0]
+    m = ints[MARGIN_SIZE]
     if m == 0:
         S[0] = j
         KSS[0, 0] = K[j, j]
         _copy_row32(K, j, n, KS32, 0)
-        ints[0] = 1
+        ints[MARGIN_SIZE] = 1
         R[0, 0] = -2.0 * K[j, j]
         R[0, 1] = 1.0
         R[1, 0] = 1.0
@@ -202,7 +201,7 @@ def grow(buf: SolverBuffers, cfg: SolverSettings, n: int, j: int) -> tuple:
         KSS[a, m] = row[S[a]]
     KSS[m, m] = row[j]
     _copy_row32(K, j, n, KS32, m)
-    ints[0] = m + 1
+    ints[MARGIN_SIZE] = m + 1
     _after_update(buf, cfg, r_max)
     return True, beta, pivot
 
@@ -215,7 +214,7 @@ def shrink(buf: SolverBuffers, cfg: SolverSettings, n: int, pos: int) -> None:
     the O(|S|^2) rank-one downdate.
     """
     S, KSS, KS32, ints, R = buf.S, buf.KSS, buf.KS32, buf.ints, buf.R
-    m = ints[0]
+    m = ints[MARGIN_SIZE]
     k = pos + 1
     rkk = R[k, k]
     S[pos] = S[m - 1]
@@ -226,7 +225,7 @@ def shrink(buf: SolverBuffers, cfg: SolverSettings, n: int, pos: int) -> None:
     last, moved = KS32[m - 1], KS32[pos]
     for i in range(n):
         moved[i] = last[i]
-    ints[0] = m - 1
+    ints[MARGIN_SIZE] = m - 1
     if abs(rkk) <= 1e-300:
         buf.guards[_SMALL_PIVOT] += 1
         refactor(buf)
@@ -367,7 +366,7 @@ def enlarged_margin_buffers(buf: SolverBuffers, n: int, need: int) -> SolverBuff
     """``buf`` with margin buffers R, KSS, KS32 for at least ``need`` margin atoms (doubled, at most to the
     atoms' capacity), their first m (+1) rows and columns kept. A sweep whose margin set outgrows them goes on
     in these, the same path as in larger ones; the caller sizes them for a margin set it sets from outside."""
-    R, KSS, KS32, m = buf.R, buf.KSS, buf.KS32, buf.ints[0]
+    R, KSS, KS32, m = buf.R, buf.KSS, buf.KS32, buf.ints[MARGIN_SIZE]
     mcap = min(max(2 * KSS.shape[0], need), buf.K.shape[0])
     R2 = np.zeros((mcap + 1, mcap + 1))
     R2[:m + 1, :m + 1] = R[:m + 1, :m + 1]
@@ -402,7 +401,7 @@ def sweep(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s: float, tar
     skip = -1
     g_err += _G_SLACK
     # beta carried over from the last event (see below), or given for the first step, instead of solved afresh
-    beta_known = len(beta_start) == ints[0] + 1 and ints[0] > 0
+    beta_known = len(beta_start) == ints[MARGIN_SIZE] + 1 and ints[MARGIN_SIZE] > 0
     beta = beta_start
     carried = 0
     frozen = np.zeros(n, dtype=np.bool_)
@@ -410,7 +409,7 @@ def sweep(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s: float, tar
     rate_g = np.empty(n)
     margin_rows = np.arange(n)  # KS32's rows, in the margin set's order
     for _ in range(20 * n + 100):
-        m = ints[0]
+        m = ints[MARGIN_SIZE]
         if m > 0:
             if beta_known and carried < _BETA_CARRY:
                 carried += 1
@@ -492,8 +491,8 @@ def sweep(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s: float, tar
             alpha[c] = target
             status[c] = BOUND
             return SWEPT_TO_TARGET, rho, g_err, buf
-        if (kind == 1 or kind >= 4) and ints[0] == buf.KSS.shape[0]:
-            buf = enlarged_margin_buffers(buf, n, ints[0] + 1)
+        if (kind == 1 or kind >= 4) and ints[MARGIN_SIZE] == buf.KSS.shape[0]:
+            buf = enlarged_margin_buffers(buf, n, ints[MARGIN_SIZE] + 1)
             R = buf.R
         # The next step's beta follows from this one's (O(|S|) instead of a solve with the inverse, O(|S|^2)):
         # a margin atom that leaves keeps its coefficient, so beta loses the component along that atom's column
@@ -507,7 +506,7 @@ def sweep(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s: float, tar
             beta_known = m > 0
         elif kind == 2 or kind == 3:
             alpha[j] = box[j] if kind == 2 else 0.0
-            pos = position(S, ints[0], j)
+            pos = position(S, ints[MARGIN_SIZE], j)
             k = pos + 1
             if m > 1 and abs(R[k, k]) > 1e-300:
                 beta = _beta_without(R, m, beta, k)
@@ -586,7 +585,7 @@ def polish(buf: SolverBuffers, cfg: SolverSettings, n: int, exclude: int, rho: f
             if (st == BOUND or st == RESERVE) and alpha[i] != on_bound:  # rare: a sweep leaves them there
                 moved += abs(alpha[i] - on_bound)
                 alpha[i] = on_bound
-        m = ints[0]
+        m = ints[MARGIN_SIZE]
         resid = np.zeros(m + 1)
         if m > 0:
             E = np.empty(n, dtype=np.int64)
@@ -628,7 +627,7 @@ def polish(buf: SolverBuffers, cfg: SolverSettings, n: int, exclude: int, rho: f
                 alpha[S[a]] = u[a + 1]
         snapped = False
         a = 0
-        while a < ints[0]:
+        while a < ints[MARGIN_SIZE]:
             i = S[a]
             if alpha[i] <= BOUNDARY_SNAP or alpha[i] >= box[i] - BOUNDARY_SNAP:
                 status[i] = RESERVE if alpha[i] <= BOUNDARY_SNAP else BOUND
@@ -660,7 +659,7 @@ def finish(buf: SolverBuffers, cfg: SolverSettings, n: int, exclude: int, rho: f
     K, alpha, g, status, S, diag = buf.K, buf.alpha, buf.g, buf.status, buf.S, cfg.diag
     rho_before = rho
     rho, resid, moved = polish(buf, cfg, n, exclude, rho)
-    m = buf.ints[0]
+    m = buf.ints[MARGIN_SIZE]
     if m == 0:
         return math.nan, math.nan, math.nan
     g_err += abs(rho - rho_before) + 2.0 * diag * moved  # inf (never nan) when rho_before was not known
@@ -712,9 +711,9 @@ def move_coefficient(buf: SolverBuffers, cfg: SolverSettings, n: int, c: int, s:
     alpha, status, box, S, ints, R = buf.alpha, buf.status, buf.box, buf.S, buf.ints, buf.R
     beta = np.zeros(0)
     if status[c] == MARGIN:
-        pos = position(S, ints[0], c)
+        pos = position(S, ints[MARGIN_SIZE], c)
         k = pos + 1
-        m = ints[0]
+        m = ints[MARGIN_SIZE]
         if m > 1 and abs(R[k, k]) > 1e-300:
             # With a_c fixed, the other unknowns move at R[:, k] / R_kk per unit a_c (block inverse): the first
             # step's beta without a solve over the shrunk inverse.

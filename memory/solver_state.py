@@ -1,22 +1,33 @@
-"""The exact solver's state as the compiled core (``memory.solver_core``) reads and updates it in place.
+"""The exact solver's state: what the compiled core (``memory.solver_core``) reads and updates in place, and the
+rest of a memory's solution.
 
 ``SolverBuffers`` holds the capacity-sized arrays (only the first n atom slots / m margin rows are meaningful);
 ``SolverSettings`` the constants of a memory's solver. Both are NamedTuples, which numba passes into compiled
-code as one argument each instead of 23 positional ones.
+code as one argument each instead of 23 positional ones. :class:`SolverState` holds them with the atom registry,
+rho, g's error bound and whether the memory has a solution: the one object the solver
+(``memory.exact_solver``), the public API (``memory.svmemory``) and persistence (``memory.persistence``) share.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import math
+from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
-from .errors import SolverError
+from .atoms import AtomRegistry, grown
 
-if TYPE_CHECKING:
-    from memory.svmemory import SVMemory
-
+# The numerical safeguards counted in ``SolverBuffers.guards``, in counter order; the compiled core and the
+# solver index them by name through GUARD.
 GUARDS = ("refused_dependent", "small_pivot", "scheduled_refactor", "large_inverse", "pinv", "iteration_cap",
           "unconverged_refinement", "repair")
+GUARD = {name: i for i, name in enumerate(GUARDS)}
+# The entries of ``SolverBuffers.ints``.
+MARGIN_SIZE, UPDATES_SINCE_REFACTOR = 0, 1
+# A slot whose atom was deleted, until a new atom takes it: a zero coefficient and box, no set, so every loop of
+# the core that tests a status passes it by. Leaving the slot free instead of moving the last atom into it saves
+# rewriting that atom's kernel column, n strided stores (as much as one pass over the margin rows).
+FREE = 4
 
 
 class SolverBuffers(NamedTuple):
@@ -45,7 +56,7 @@ class SolverBuffers(NamedTuple):
         locate their next event with it: half the bytes of the fp64 rows, so at ~1,000 atoms the margin rows
         stay in a core's L2 cache instead of streaming from L3 at every step.
     ints : (2,) int64
-        [m, rank-one updates since the last refactorisation].
+        [m, rank-one updates since the last refactorisation], at ``MARGIN_SIZE`` and ``UPDATES_SINCE_REFACTOR``.
     R : (mcap + 1, mcap + 1) float64
         Inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]], top-left (m + 1) block.
     guards : int64 counters, indexed by ``GUARDS``.
@@ -79,16 +90,9 @@ def empty_buffers() -> SolverBuffers:
         ints=np.zeros(2, dtype=np.int64), R=np.empty((1, 1)), guards=np.zeros(len(GUARDS), dtype=np.int64))
 
 
-def grown(a: np.ndarray, shape: tuple, dtype: type = np.float64) -> np.ndarray:
-    """A zero array of ``shape`` holding ``a`` in its leading corner (a buffer grown, contents kept)."""
-    out = np.zeros(shape, dtype=dtype)
-    out[tuple(slice(0, s) for s in a.shape)] = a
-    return out
-
-
 def with_atom_capacity(buf: SolverBuffers, n: int, cap: int) -> SolverBuffers:
     """``buf`` with its atom-sized buffers grown to ``cap`` slots, the first n kept (margin buffers as they are)."""
-    m = int(buf.ints[0])
+    m = int(buf.ints[MARGIN_SIZE])
     K = np.zeros((cap, cap))
     K[:n, :n] = buf.K[:n, :n]
     return buf._replace(
@@ -97,41 +101,64 @@ def with_atom_capacity(buf: SolverBuffers, n: int, cap: int) -> SolverBuffers:
         KS32=grown(buf.KS32[:m, :n], (buf.KSS.shape[0], cap), np.float32))
 
 
-class Solution(NamedTuple):
-    """A copy of the solution part of a memory's state (what a failed solver operation must put back)."""
-    n: int
-    alpha: np.ndarray
-    g: np.ndarray
-    status: np.ndarray
-    S: np.ndarray
-    rho: float
-    g_err: float
-    fitted: bool
+class SolverState:
+    """A memory's solution and the storage it lives in: the buffers, the atom registry, rho, the bound on g's
+    error (``g_err``; 0: the maintained g is exact to rounding) and whether the memory has a solution
+    (``fitted``), with the box C and the KKT tolerance they are kept to."""
 
+    __slots__ = ("C", "tol", "settings", "atoms", "buf", "cap", "value_dim", "rho", "g_err", "fitted")
 
-class Rollback:
-    """On a SolverError inside the context, put the memory's solution back as it was on entry: coefficients, g,
-    sets and rho from a copy (O(n), ~1.4 us at 1,024 atoms), the inverse rebuilt from K for that margin set. The
-    caller then undoes its own bookkeeping (the token's record and multiplicity), so a failed add or remove
-    leaves the memory as it was. A class rather than a generator context: it is entered on every solver-path
-    operation, and costs a third as much."""
+    def __init__(self, C: float, tol: float, settings: SolverSettings):
+        self.C, self.tol, self.settings = C, tol, settings
+        self.atoms = AtomRegistry()
+        self.buf = empty_buffers()
+        self.cap = 0                 # atom slots allocated
+        self.value_dim = None
+        self.rho = float("nan")
+        self.g_err = math.inf
+        self.fitted = False
 
-    __slots__ = ("mem", "saved")
+    @property
+    def diag(self) -> float:
+        return self.settings.diag
 
-    def __init__(self, mem: SVMemory):
-        buf, n = mem._buf, mem._n
-        self.mem = mem
-        self.saved = Solution(n, buf.alpha[:n].copy(), buf.g[:n].copy(), buf.status[:n].copy(),
-                              buf.S[:int(buf.ints[0])].copy(), mem.rho_, mem._g_err, mem._fitted)
+    @property
+    def n(self) -> int:
+        """Slots in use: atoms, and free slots below the last atom."""
+        return self.atoms.n
 
-    def __enter__(self):
-        return self
+    @property
+    def margin_size(self) -> int:
+        return int(self.buf.ints[MARGIN_SIZE])
 
-    def __exit__(self, exc_type, *_):
-        if exc_type is not None and issubclass(exc_type, SolverError):
-            mem, saved = self.mem, self.saved
-            n = saved.n
-            mem._buf.alpha[:n], mem._buf.g[:n], mem._buf.status[:n] = saved.alpha, saved.g, saved.status
-            mem.rho_, mem._g_err, mem._fitted = saved.rho, saved.g_err, saved.fitted
-            mem._set_margin(saved.S)
-        return False
+    @property
+    def dim(self) -> int | None:
+        return self.atoms.X.shape[1] if self.atoms.X.ndim == 2 and self.atoms.X.shape[1] else None
+
+    def margin(self) -> np.ndarray:
+        """Margin slots (a view), in the order of the inverse's rows."""
+        return self.buf.S[:self.margin_size]
+
+    def kkt_inverse(self) -> np.ndarray:
+        """The maintained inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]] (a view)."""
+        m = self.margin_size
+        return self.buf.R[:m + 1, :m + 1]
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.buf.status[:self.n] != FREE)
+
+    def box(self) -> np.ndarray:
+        """Boxes multiplicity * C of slots 0..n-1 (a view, kept in step with the multiplicities)."""
+        return self.buf.box[:self.n]
+
+    def set_multiplicity(self, slot: int, k: int) -> None:
+        k = int(k)  # a numpy integer times a float takes numpy's scalar promotion, ~1 us
+        self.atoms.mult[slot] = k
+        self.buf.box[slot] = k * self.C
+
+    def count_guard(self, name: str) -> None:
+        self.buf.guards[GUARD[name]] += 1
+
+    def guard_counts(self) -> Counter:
+        """The safeguards that fired, by name."""
+        return Counter({name: int(k) for name, k in zip(GUARDS, self.buf.guards) if k})

@@ -11,10 +11,10 @@ Exact duplicate keys are stored once, as an *atom* with multiplicity m and box m
 copies, and it keeps the bordered KKT matrix non-singular); each copy's coefficient is a / m, the
 minimum-norm split among copies, which makes the readout unique.
 
-This module is the public API: validation, feasibility, atoms and duplicates. The solver's once-per-operation
-control (seed, admit, release, polish, repair) is ``memory.exact_solver``, its buffers ``memory.solver_state``, its
-compiled inner loops ``memory.solver_core``; the token/atom registry is ``memory.atoms``, persistence
-``memory.persistence``.
+This module is the public API: validation, feasibility, atoms and duplicates. A memory holds its state
+(``memory.solver_state.SolverState``: buffers, atom registry, rho) and a solver over it (``memory.exact_solver``:
+seed, admit, release, polish, repair), whose inner loops are compiled (``memory.solver_core``); the token/atom
+registry is ``memory.atoms``; persistence (``memory.persistence``) writes and reads the state.
 """
 from __future__ import annotations
 
@@ -25,21 +25,20 @@ from typing import TYPE_CHECKING, Hashable, NamedTuple
 import numpy as np
 
 from . import solver_core as core
-from .atoms import AtomRegistry, atom_leaf
+from .atoms import atom_leaf
 from .certificates import EvictionCertificate, Partition, leaves_in_order, state_digest
 from .errors import InfeasibleError, InvalidKeyError, NotCertifiableError, SolverError
 from .exact_solver import ExactSolver
 from .kernels import KERNEL_DIAGONAL, check_kernel, rbf, squared_distances
 from .kkt import BOUND, MARGIN, RESERVE, kkt_residual
-from .persistence import load_memory, save_memory
-from .solver_state import GUARDS, SolverSettings, empty_buffers, with_atom_capacity
+from .persistence import read_state, save_state
+from .solver_state import FREE, MARGIN_SIZE, SolverSettings, SolverState
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 # Feasibility n C >= 1 is tested with this slack so that C = 1 / B admits exactly B tokens despite rounding.
 _FEAS_SLACK = 1e-12
-_MARGIN_CAPACITY_START = 64  # margin buffers' first size when no capacity is declared (then doubled)
 _STATUS_NAMES = {MARGIN: "margin", BOUND: "bound", RESERVE: "reserve"}
 
 
@@ -54,7 +53,7 @@ class KKTSystem(NamedTuple):
     mult: np.ndarray           # atom multiplicities
 
 
-class SVMemory(ExactSolver):
+class SVMemory:
     """Fixed-box one-class SV memory with exact add/remove and certified eviction.
 
     Parameters
@@ -103,33 +102,26 @@ class SVMemory(ExactSolver):
         self.refactor_every = int(refactor_every)
         self.capacity = None if capacity is None else int(capacity)
         self._diag = KERNEL_DIAGONAL[kernel]
-        self._settings = SolverSettings(self._diag, self._EPS, self._REL_PIVOT, self.refactor_every, self._R_CAP)
-        self._dim = None
-        self._value_dim = None
-        self._cap = 0
-        self._atoms = AtomRegistry()
-        self._buf = empty_buffers()
-        self.rho_ = float("nan")
-        self._g_err = math.inf  # bound on |g - fp64 g of the coefficients| (0: g is that g, to rounding)
-        self._fitted = False
+        settings = SolverSettings(self._diag, self._EPS, self._REL_PIVOT, self.refactor_every, self._R_CAP)
+        self._state = SolverState(C, self.tol, settings)
+        self._solver = ExactSolver(self._state, self.capacity)
 
     # ------------------------------------------------------------------ properties
     @property
     def guard_events_(self) -> Counter:
-        return Counter({name: int(k) for name, k in zip(GUARDS, self._buf.guards) if k})
+        return self._state.guard_counts()
 
     @property
-    def _n(self) -> int:
-        """Slots in use: atoms, and free slots below the last atom."""
-        return self._atoms.n
+    def rho_(self) -> float:
+        return self._state.rho
 
     @property
     def n_tokens(self) -> int:
-        return len(self._atoms.tokens)
+        return len(self._state.atoms.tokens)
 
     @property
     def n_atoms(self) -> int:
-        return self._atoms.n_atoms
+        return self._state.atoms.n_atoms
 
     @property
     def min_tokens(self) -> int:
@@ -138,76 +130,77 @@ class SVMemory(ExactSolver):
 
     @property
     def is_feasible(self) -> bool:
-        return self._fitted
+        return self._state.fitted
 
     @property
     def alpha_(self) -> dict:
         self.check_fitted()
-        atoms = self._atoms
+        atoms = self._state.atoms
         out = {}
         for tid, record in atoms.tokens.items():
             slot = atoms.slot_of_seq[record.seq]
-            out[tid] = float(self._buf.alpha[slot] / atoms.mult[slot])
+            out[tid] = float(self._state.buf.alpha[slot] / atoms.mult[slot])
         return out
 
     def token_ids(self) -> list:
         """Stored token ids in arrival order (the dict keeps insertion order, which is arrival order)."""
-        return list(self._atoms.tokens)
+        return list(self._state.atoms.tokens)
 
     def __contains__(self, token_id) -> bool:
-        return token_id in self._atoms.tokens
+        return token_id in self._state.atoms.tokens
 
     def __len__(self) -> int:
-        return len(self._atoms.tokens)
+        return len(self._state.atoms.tokens)
 
     def key_of(self, token_id: Hashable) -> np.ndarray:
-        return self._atoms.X[self._atoms.slot_of(token_id)].copy()
+        return self._state.atoms.X[self._state.atoms.slot_of(token_id)].copy()
 
     def value_of(self, token_id: Hashable) -> np.ndarray:
-        self._atoms.slot_of(token_id)
-        return self._atoms.tokens[token_id].value.copy()
+        self._state.atoms.slot_of(token_id)
+        return self._state.atoms.tokens[token_id].value.copy()
 
     def decision_value_of(self, token_id: Hashable) -> float:
         """g of a stored token, computed from the coefficients in fp64."""
         self.check_fitted()
-        return float(self._exact_maintained_g()[self._atoms.slot_of(token_id)])
+        return float(self._solver.exact_maintained_g()[self._state.atoms.slot_of(token_id)])
 
     def status_of(self, token_id: Hashable) -> str:
         """'margin', 'bound' or 'reserve'."""
         self.check_fitted()
-        return _STATUS_NAMES[int(self._buf.status[self._atoms.slot_of(token_id)])]
+        return _STATUS_NAMES[int(self._state.buf.status[self._state.atoms.slot_of(token_id)])]
 
     def partition(self) -> Partition:
         """The three token-id sets (margin S, bound E, reserve R)."""
         self.check_fitted()
         sets = {MARGIN: set(), BOUND: set(), RESERVE: set()}
-        for tid, record in self._atoms.tokens.items():
-            sets[int(self._buf.status[self._atoms.slot_of_seq[record.seq]])].add(tid)
+        for tid, record in self._state.atoms.tokens.items():
+            sets[int(self._state.buf.status[self._state.atoms.slot_of_seq[record.seq]])].add(tid)
         return Partition(frozenset(sets[MARGIN]), frozenset(sets[BOUND]), frozenset(sets[RESERVE]))
 
     def kkt_residual(self) -> float:
         """KKT residual of the current state, recomputing g from the coefficients."""
         self.check_fitted()
-        live = self._live_slots()
-        g = self._exact_g()
-        return kkt_residual(self._buf.alpha[live], g[live], self._box()[live], self._buf.status[live])
+        live = self._state.live_slots()
+        g = self._solver.exact_g()
+        return kkt_residual(self._state.buf.alpha[live], g[live], self._state.box()[live], self._state.buf.status[live])
 
     def kkt_system(self) -> KKTSystem:
         """A copy of the active KKT system over the atoms, atoms numbered 0..n_atoms-1."""
         self.check_fitted()
-        live = self._live_slots()
-        index = np.full(self._n, -1, dtype=np.int64)
+        live = self._state.live_slots()
+        index = np.full(self._state.n, -1, dtype=np.int64)
         index[live] = np.arange(len(live))
-        buf = self._buf
+        st = self._state
+        buf = st.buf
         return KKTSystem(
-            atom_of_token=np.array([index[self._atoms.slot_of(t)] for t in self.token_ids()], dtype=np.int64),
-            margin=index[self._margin()], inverse=self._kkt_inverse().copy(), alpha=buf.alpha[live].copy(),
-            status=buf.status[live].copy(), box=self._box()[live].copy(), mult=self._atoms.mult[live].copy())
+            atom_of_token=np.array([index[st.atoms.slot_of(t)] for t in self.token_ids()], dtype=np.int64),
+            margin=index[st.margin()], inverse=st.kkt_inverse().copy(), alpha=buf.alpha[live].copy(),
+            status=buf.status[live].copy(), box=st.box()[live].copy(), mult=st.atoms.mult[live].copy())
 
     # ------------------------------------------------------------------ validation
     def check_fitted(self) -> None:
         """Raise InfeasibleError when the memory has no solution yet (fewer than ``min_tokens`` tokens)."""
-        if not self._fitted:
+        if not self._state.fitted:
             raise InfeasibleError(
                 f"the memory holds {self.n_tokens} token(s) but C={self.C!r} needs at least {self.min_tokens} "
                 f"(n * C >= 1) before it has a solution")
@@ -219,8 +212,8 @@ class SVMemory(ExactSolver):
             raise InvalidKeyError(f"a key must be a numeric vector, got {key!r}") from None
         if x.ndim != 1 or x.size == 0:
             raise InvalidKeyError(f"a key must be a non-empty 1-D vector, got shape {np.shape(key)}")
-        if self._dim is not None and x.size != self._dim:
-            raise InvalidKeyError(f"key has dimension {x.size}, the memory's keys have dimension {self._dim}")
+        if self._state.dim is not None and x.size != self._state.dim:
+            raise InvalidKeyError(f"key has dimension {x.size}, the memory's keys have dimension {self._state.dim}")
         if not np.all(np.isfinite(x)):
             raise InvalidKeyError(f"key has non-finite entries: {x.tolist()}")
         return x + 0.0  # turns -0.0 into 0.0 so that equal keys have equal bytes
@@ -229,87 +222,49 @@ class SVMemory(ExactSolver):
         v = key.copy() if value is None else np.asarray(value, dtype=np.float64).ravel()
         if v.size == 0 or not np.all(np.isfinite(v)):
             raise InvalidKeyError(f"value must be a non-empty finite vector, got {np.asarray(value).tolist()}")
-        if self._value_dim is not None and v.size != self._value_dim:
+        if self._state.value_dim is not None and v.size != self._state.value_dim:
             raise InvalidKeyError(f"value has dimension {v.size}, the memory's values have dimension "
-                                  f"{self._value_dim}")
+                                  f"{self._state.value_dim}")
         return v
 
     def _check_queries(self, X):
         Q = np.asarray(X, dtype=np.float64)
         single = Q.ndim == 1
         Q = np.atleast_2d(Q)
-        if Q.ndim != 2 or (self._dim is not None and Q.shape[1] != self._dim):
-            raise InvalidKeyError(f"queries must have shape (m, {self._dim}), got {np.shape(X)}")
+        if Q.ndim != 2 or (self._state.dim is not None and Q.shape[1] != self._state.dim):
+            raise InvalidKeyError(f"queries must have shape (m, {self._state.dim}), got {np.shape(X)}")
         if not np.all(np.isfinite(Q)):
             raise InvalidKeyError("queries have non-finite entries")
         return Q, single
 
     # ------------------------------------------------------------------ slots and storage
-    def _margin(self) -> np.ndarray:
-        """Margin slots (a view), in the order of the inverse's rows."""
-        return self._buf.S[:self._buf.ints[0]]
-
-    def _kkt_inverse(self) -> np.ndarray:
-        """The maintained inverse of the bordered matrix [[0, 1^T], [1, 2 K_SS]] (a view)."""
-        m = int(self._buf.ints[0])
-        return self._buf.R[:m + 1, :m + 1]
-
-    def _live_slots(self) -> np.ndarray:
-        return np.flatnonzero(self._buf.status[:self._n] != core.FREE)
-
-    def _box(self) -> np.ndarray:
-        """Boxes multiplicity * C of slots 0..n-1 (a view, kept in step with the multiplicities)."""
-        return self._buf.box[:self._n]
-
-    def _set_multiplicity(self, slot: int, k) -> None:
-        k = int(k)  # a numpy integer times a float takes numpy's scalar promotion, ~1 us
-        self._atoms.mult[slot] = k
-        self._buf.box[slot] = k * self.C
-
-    def _ensure_capacity(self, n: int) -> None:
-        if n <= self._cap:
-            return
-        cap = max(16, 2 * self._cap, n) if self._cap or self.capacity is None else max(n, self.capacity)
-        self._atoms.grow(cap)
-        self._buf = with_atom_capacity(self._buf, self._n, cap)
-        self._cap = cap
-        # A declared capacity bounds the margin set too (the pipeline's budgeted memories never grow buffers)
-        self._ensure_margin_capacity(cap if self.capacity is not None else _MARGIN_CAPACITY_START)
-
-    def _ensure_margin_capacity(self, m: int) -> None:
-        """Margin buffers (the bordered inverse, K_SS, the single-precision margin rows) for at least m margin
-        atoms, doubling. They are sized by the margin set, not by the atoms: at 4,096 atoms three atom-sized
-        square buffers would be ~340 MB beside the Gram matrix's 134 MB."""
-        if m > self._buf.KSS.shape[0]:
-            self._buf = core.enlarged_margin_buffers(self._buf, self._n, m)
-
     def _new_atom(self, x: np.ndarray) -> int:
         """A slot for key x (a free one if any), its kernel row and column filled in, in the reserve set."""
-        n = self._n
-        krow = np.exp(-self.gamma * squared_distances(x, self._atoms.X[:n])[0]) if n else np.empty(0)
-        if not self._atoms.free:
-            self._ensure_capacity(n + 1)
-        slot = self._atoms.take_slot()
-        self._atoms.open_atom(slot, x)
-        buf = self._buf
+        n = self._state.n
+        krow = np.exp(-self.gamma * squared_distances(x, self._state.atoms.X[:n])[0]) if n else np.empty(0)
+        if not self._state.atoms.free:
+            self._solver.ensure_capacity(n + 1)
+        slot = self._state.atoms.take_slot()
+        self._state.atoms.open_atom(slot, x)
+        buf = self._state.buf
         buf.K[slot, :n] = krow
         buf.K[:n, slot] = krow
         buf.K[slot, slot] = self._diag
-        m = int(buf.ints[0])
+        m = int(buf.ints[MARGIN_SIZE])
         buf.KS32[:m, slot] = krow[buf.S[:m]]
         buf.alpha[slot] = buf.g[slot] = 0.0
-        self._set_multiplicity(slot, 0)
+        self._state.set_multiplicity(slot, 0)
         buf.status[slot] = RESERVE
         return slot
 
     def _drop_atom(self, slot: int) -> None:
         """Delete an atom: its slot becomes free (O(1); see ``solver_core.FREE``). The key is zeroed at once;
         the kernel row and column stay until a new atom overwrites them, and :meth:`save` writes them as 0."""
-        buf = self._buf
+        buf = self._state.buf
         buf.alpha[slot] = buf.g[slot] = 0.0
-        self._set_multiplicity(slot, 0)
-        buf.status[slot] = core.FREE
-        self._atoms.close_atom(slot)
+        self._state.set_multiplicity(slot, 0)
+        buf.status[slot] = FREE
+        self._state.atoms.close_atom(slot)
 
     # ------------------------------------------------------------------ public API: add / remove
     def add(self, key: list | np.ndarray, value: np.ndarray | None = None,
@@ -323,26 +278,26 @@ class SVMemory(ExactSolver):
         x = self._check_key(key)
         v = self._check_value(value, x)
         if token_id is None:
-            token_id = self._atoms.new_token_id()
-        elif token_id in self._atoms.tokens:
+            token_id = self._state.atoms.new_token_id()
+        elif token_id in self._state.atoms.tokens:
             raise ValueError(f"token id {token_id!r} is already stored")
-        if self._dim is None:
-            self._dim = x.size
-            self._atoms.set_dim(self._dim)
-        if self._value_dim is None:
-            self._value_dim = v.size
-        slot = self._atoms.slot_of_key(x)
+        if self._state.dim is None:
+            self._state.atoms.set_dim(x.size)
+        if self._state.value_dim is None:
+            self._state.value_dim = v.size
+        slot = self._state.atoms.slot_of_key(x)
         if slot is None:
             slot = self._new_atom(x)
-        self._atoms.record(token_id, slot, v)
-        self._set_multiplicity(slot, self._atoms.mult[slot] + 1)
+        self._state.atoms.record(token_id, slot, v)
+        self._state.set_multiplicity(slot, self._state.atoms.mult[slot] + 1)
         try:
-            if self._fitted:
-                self._admit(slot)
+            if self._state.fitted:
+                self._solver.admit(slot)
             elif self.n_tokens * self.C >= 1.0 - _FEAS_SLACK:
-                self._seed()
+                self._solver.seed()
         except SolverError:
-            self._set_multiplicity(slot, self._atoms.mult[slot] - 1)  # the solution is already back as it was
+            # the solution is already back as it was
+            self._state.set_multiplicity(slot, self._state.atoms.mult[slot] - 1)
             self._forget_token(token_id, slot)
             raise
         return token_id
@@ -357,19 +312,20 @@ class SVMemory(ExactSolver):
         Afterwards the state equals the fixed-C solution over the retained tokens (see
         :func:`memory.refit.verify_against_refit`).
         """
-        slot = self._atoms.slot_of(token_id)
+        slot = self._state.atoms.slot_of(token_id)
         if self.n_tokens == 1:
             raise InfeasibleError(f"cannot remove token {token_id!r}: it is the memory's last token")
-        if self._fitted and (self.n_tokens - 1) * self.C < 1.0 - _FEAS_SLACK:
+        if self._state.fitted and (self.n_tokens - 1) * self.C < 1.0 - _FEAS_SLACK:
             raise InfeasibleError(
                 f"removing token {token_id!r} would leave {self.n_tokens - 1} tokens, infeasible for "
                 f"C={self.C!r} (needs n * C >= 1, i.e. at least {self.min_tokens} tokens)")
-        self._set_multiplicity(slot, self._atoms.mult[slot] - 1)
-        if self._fitted:
+        self._state.set_multiplicity(slot, self._state.atoms.mult[slot] - 1)
+        if self._state.fitted:
             try:
-                self._release(slot)
+                self._solver.release(slot)
             except SolverError:
-                self._set_multiplicity(slot, self._atoms.mult[slot] + 1)  # the solution is already back as it was
+                # the solution is already back as it was
+                self._state.set_multiplicity(slot, self._state.atoms.mult[slot] + 1)
                 raise
         self._forget_token(token_id, slot)
 
@@ -377,11 +333,11 @@ class SVMemory(ExactSolver):
         """Delete several tokens (all-or-nothing on validation: unknown ids or infeasibility raise first)."""
         token_ids = list(dict.fromkeys(token_ids))
         for t in token_ids:
-            self._atoms.slot_of(t)
+            self._state.atoms.slot_of(t)
         left = self.n_tokens - len(token_ids)
         if left < 1:
             raise InfeasibleError("cannot remove every token of the memory")
-        if self._fitted and left * self.C < 1.0 - _FEAS_SLACK:
+        if self._state.fitted and left * self.C < 1.0 - _FEAS_SLACK:
             raise InfeasibleError(f"removing {len(token_ids)} tokens would leave {left}, infeasible for "
                                   f"C={self.C!r} (needs at least {self.min_tokens})")
         for t in token_ids:
@@ -389,37 +345,38 @@ class SVMemory(ExactSolver):
 
     def _forget_token(self, token_id: Hashable, slot: int) -> None:
         """Drop the token's records (its atom's multiplicity is already decremented) and an emptied atom."""
-        self._atoms.forget(token_id, slot)
-        if self._atoms.mult[slot] == 0:
+        self._state.atoms.forget(token_id, slot)
+        if self._state.atoms.mult[slot] == 0:
             self._drop_atom(slot)
-            if self._fitted and not self._buf.ints[0]:
-                self._finish()  # rho is unpinned: its interval may have widened; return to the midpoint
+            if self._state.fitted and not self._state.buf.ints[MARGIN_SIZE]:
+                self._solver.finish()  # rho is unpinned: its interval may have widened; return to the midpoint
 
     # ------------------------------------------------------------------ certified eviction
     def certify_eviction(self, token_id: Hashable) -> EvictionCertificate:
         """Certificate that evicting a reserve token changes no output; raises for any other token."""
-        slot = self._atoms.slot_of(token_id)
+        slot = self._state.atoms.slot_of(token_id)
         self.check_fitted()
-        buf = self._buf
+        buf = self._state.buf
         if buf.status[slot] != RESERVE or buf.alpha[slot] != 0.0:
             raise NotCertifiableError(
                 f"token {token_id!r} is in the {self.status_of(token_id)} set with coefficient "
-                f"{buf.alpha[slot] / self._atoms.mult[slot]!r}; only reserve tokens (coefficient exactly 0) can "
+                f"{buf.alpha[slot] / self._state.atoms.mult[slot]!r}; only reserve tokens (coefficient exactly 0) can "
                 f"be evicted with a certificate")
         if self.n_tokens == 1:
             raise InfeasibleError(f"cannot evict token {token_id!r}: it is the memory's last token")
-        n = self._n
-        leaves = self._atoms.mult[slot] == 1  # the atom goes; otherwise it loses one copy (and C of its box)
+        n = self._state.n
+        leaves = self._state.atoms.mult[slot] == 1  # the atom goes; otherwise it loses one copy (and C of its box)
         gone = slot if leaves else -1
-        box = self._box().copy()
+        box = self._state.box().copy()
         if not leaves:
             box[slot] -= self.C
-        rho_pinned = bool(buf.ints[0])
-        g = self._exact_maintained_g()  # evicting a reserve token changes no coefficient, so no g but rho's shift
+        rho_pinned = bool(buf.ints[MARGIN_SIZE])
+        # evicting a reserve token changes no coefficient, so no g but rho's shift
+        g = self._solver.exact_maintained_g()
         if rho_pinned:
             rho_after, g_after = self.rho_, g
         else:
-            rho_after = self._midpoint_rho(self._atoms_except(gone))
+            rho_after = self._solver.midpoint_rho(self._solver.atoms_except(gone))
             g_after = g[:n] + (rho_after - self.rho_)
         residual = float(core.residual(buf.alpha, g_after, box, buf.status, n, gone))
         gj = float(g[slot])
@@ -441,8 +398,8 @@ class SVMemory(ExactSolver):
             raise NotCertifiableError(f"the certificate does not belong to token {token_id!r} in this state")
         else:
             cert = certificate
-        slot = self._atoms.slot_of(token_id)
-        self._set_multiplicity(slot, self._atoms.mult[slot] - 1)
+        slot = self._state.atoms.slot_of(token_id)
+        self._state.set_multiplicity(slot, self._state.atoms.mult[slot] - 1)
         self._forget_token(token_id, slot)
         if self.state_digest() != cert.digest_after:
             raise SolverError(f"state after evicting {token_id!r} does not match its certificate")
@@ -456,12 +413,12 @@ class SVMemory(ExactSolver):
         ``exclude``: the digest of the state without that token (its coefficient unchanged: a reserve token's
         is 0), with ``rho`` in place of the current offset.
         """
-        atoms = self._atoms
-        rho = rho if rho is not None else (self.rho_ if self._fitted else float("nan"))
-        live = self._live_slots()
+        atoms = self._state.atoms
+        rho = rho if rho is not None else (self.rho_ if self._state.fitted else float("nan"))
+        live = self._state.live_slots()
         order = live[np.argsort(atoms.seq[live], kind="stable")]
         leaves = leaves_in_order(atoms.leaves, order)
-        mult = atoms.mult[:self._n].copy()
+        mult = atoms.mult[:self._state.n].copy()
         if exclude is not None:
             slot = atoms.slot_of(exclude)
             pos = int(np.flatnonzero(order == slot)[0])
@@ -471,27 +428,27 @@ class SVMemory(ExactSolver):
             else:
                 del leaves[pos]
                 order = np.delete(order, pos)
-        coef = self._buf.alpha[order] / mult[order] if self._fitted else np.zeros(len(order))
+        coef = self._state.buf.alpha[order] / mult[order] if self._state.fitted else np.zeros(len(order))
         return state_digest(self.C, self.gamma, rho, leaves, coef)
 
     def reserve_with_largest_slack(self) -> Hashable:
         """The reserve token whose g is largest (the least likely to be needed again), or None."""
         self.check_fitted()
-        res = np.flatnonzero(self._buf.status[:self._n] == RESERVE)
+        res = np.flatnonzero(self._state.buf.status[:self._state.n] == RESERVE)
         if not len(res):
             return None
-        slot = res[np.argmax(self._exact_maintained_g()[res])]
-        return self._atoms.token_lists[slot][0]
+        slot = res[np.argmax(self._solver.exact_maintained_g()[res])]
+        return self._state.atoms.token_lists[slot][0]
 
     def smallest_active(self) -> Hashable:
         """The active token with the smallest coefficient, margin tokens before bound ones."""
         self.check_fitted()
-        n, buf = self._n, self._buf
+        n, buf = self._state.n, self._state.buf
         for code in (MARGIN, BOUND):
             act = np.flatnonzero(buf.status[:n] == code)
             if len(act):
-                slot = act[np.argmin(buf.alpha[act] / self._atoms.mult[act])]
-                return self._atoms.token_lists[slot][0]
+                slot = act[np.argmin(buf.alpha[act] / self._state.atoms.mult[act])]
+                return self._state.atoms.token_lists[slot][0]
         return None
 
     # ------------------------------------------------------------------ persistence
@@ -500,25 +457,35 @@ class SVMemory(ExactSolver):
 
         Token ids must be JSON scalars (int or str). No pickle: the file loads with ``allow_pickle=False``.
         """
-        save_memory(self, path)
+        if self.is_feasible:
+            self._solver.exact_maintained_g()       # the file holds g exact
+        save_state(path, self.get_params(), self._state, self.token_ids())
+
+    def get_params(self) -> dict:
+        """The constructor's parameters (scikit-learn's convention)."""
+        return {"C": self.C, "kernel": self.kernel, "gamma": self.gamma, "tol": self.tol, "tau_res": self.tau_res,
+                "refactor_every": self.refactor_every, "capacity": self.capacity}
 
     @classmethod
-    def load(cls, path: Path) -> "SVMemory":
+    def load(cls, path: Path) -> SVMemory:
         """Inverse of :meth:`save`: the same state, bit for bit."""
-        return load_memory(cls, path)
+        params, fill = read_state(path)
+        mem = cls(**params)
+        fill(mem._state, mem._solver)
+        return mem
 
     # ------------------------------------------------------------------ outputs
     def _active_atoms(self) -> np.ndarray:
-        idx = np.flatnonzero(self._buf.alpha[:self._n])
-        return idx[np.argsort(self._atoms.seq[idx], kind="stable")]
+        idx = np.flatnonzero(self._state.buf.alpha[:self._state.n])
+        return idx[np.argsort(self._state.atoms.seq[idx], kind="stable")]
 
     def decision_function(self, X: list | np.ndarray) -> np.ndarray:
         """g(x) = rho - k(x, x) + 2 sum_j a_j k(x_j, x) for each row of X (> 0 inside the description)."""
         self.check_fitted()
         Q, single = self._check_queries(X)
         act = self._active_atoms()
-        Kq = rbf(Q, self._atoms.X[act], self.gamma)
-        out = self.rho_ - self._diag + 2.0 * (Kq @ self._buf.alpha[act])
+        Kq = rbf(Q, self._state.atoms.X[act], self.gamma)
+        out = self.rho_ - self._diag + 2.0 * (Kq @ self._state.buf.alpha[act])
         return out[0] if single else out
 
     def read(self, query: np.ndarray) -> np.ndarray:
@@ -530,9 +497,9 @@ class SVMemory(ExactSolver):
         self.check_fitted()
         Q, single = self._check_queries(query)
         act = self._active_atoms()
-        alpha = self._buf.alpha[act]
-        values = np.stack([self._atoms.value_sum[s] for s in act]) / self._atoms.mult[act][:, None]
-        logits = np.log(alpha)[None, :] - self.gamma * squared_distances(Q, self._atoms.X[act])
+        alpha = self._state.buf.alpha[act]
+        values = np.stack([self._state.atoms.value_sum[s] for s in act]) / self._state.atoms.mult[act][:, None]
+        logits = np.log(alpha)[None, :] - self.gamma * squared_distances(Q, self._state.atoms.X[act])
         logits -= logits.max(axis=1, keepdims=True)
         w = np.exp(logits)
         out = (w @ values) / w.sum(axis=1, keepdims=True)

@@ -14,6 +14,7 @@ from cohorts.characteristics import CohortTable, Count
 from cohorts.endpoints import EXPLORATORY, FAMILIES, endpoint_of
 from cohorts.results import SUPPORT, Budget, PairedRow, SummaryRow
 from cohorts.stream_mode import StreamMode
+from run.result import RunResult
 
 from .disclosure import disclosed
 from .tables import cohort_tables, provenance_section

@@ -90,11 +90,15 @@ class RunParams:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); remove it to use the "
                              f"defaults") from None
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(saved) - known)
-        if not isinstance(saved, dict) or unknown:
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path}: not an object of run parameters; remove it to use the defaults")
+        unknown = sorted(set(saved) - {f.name for f in fields(cls)})
+        if unknown:
             raise ValueError(f"{path}: unknown run parameter(s) {unknown}; remove them to use the defaults")
-        return cls(**saved)
+        try:
+            return cls(**saved)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def resolve(cls, saved: RunParams | None = None, **given) -> RunParams:

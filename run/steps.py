@@ -19,6 +19,7 @@ from cohorts.coverage import check_run_has_data
 from cohorts.definitions import build_cohort, is_eval_subject, small_cell_threshold, workspace_config_path
 from cohorts.endpoints import endpoints_from_config
 from cohorts.evaluation import aggregate
+from cohorts.results import PairedRow, SummaryRow
 from cohorts.stay_chunks import code_digest
 from cohorts.stream_mode import StreamMode
 from cohorts.streams import evaluation_streams
@@ -135,7 +136,7 @@ def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,
     return scored
 
 
-def run_statistics(ws: Workspace, cfg: dict) -> tuple[list, list]:
+def run_statistics(ws: Workspace, cfg: dict) -> tuple[list[SummaryRow], list[PairedRow]]:
     """Means, CIs and paired comparisons of the run's per-stay results, read from its results file, under the
     config's declared endpoints; reused from the last run when the results file, the endpoints and the code are
     the same (aggregates only are kept)."""
@@ -149,11 +150,12 @@ def run_statistics(ws: Workspace, cfg: dict) -> tuple[list, list]:
     if cached.exists():
         old = json.loads(cached.read_text())
         if old.get("key") == key:
-            return old["summary"], old["paired"]
+            return [SummaryRow.from_json(r) for r in old["summary"]], [PairedRow.from_json(r) for r in old["paired"]]
     with progress.step("statistics"):
         summary, paired = aggregate(pl.scan_parquet(ws.results), endpoints=endpoints)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(cached, json.dumps({"key": key, "summary": summary, "paired": paired}))
+    atomic_write_text(cached, json.dumps({"key": key, "summary": [r.as_json() for r in summary],
+                                          "paired": [r.as_json() for r in paired]}))
     return summary, paired
 
 

@@ -187,3 +187,13 @@ def test_a_fraction_point_on_a_fixed_budget_is_scored_once(monkeypatch):
     for label in ("f0.1", "f0.5"):
         assert {k: v for k, v in by[(label, "sv_certified")].items() if k != "budget"} == \
                {k: v for k, v in by[("20", "sv_certified")].items() if k != "budget"}
+
+
+def test_a_policy_takes_only_the_options_it_names_and_a_misspelled_one_is_refused():
+    from memory.policies import make_policy
+    assert make_policy("random", 4, seed=3, gamma=0.5).rng.integers(10**6) == \
+        ReservoirRandom(4, seed=3).rng.integers(10**6)                  # gamma is SV's, not the reservoir's
+    with pytest.raises(TypeError):
+        Recency(4, seed=1)
+    with pytest.raises(TypeError, match="gama"):
+        make_policy("sv_certified", 4, gama=0.5)

@@ -163,18 +163,18 @@ def test_deleted_atoms_leave_free_slots_that_no_saved_state_or_new_atom_keeps_a_
     keys = [mem.key_of(t) for t in victims]
     for t in victims:
         mem.remove(t)
-    assert mem.n_atoms == len(kept) == twin.n_atoms and mem._atoms.free
+    assert mem.n_atoms == len(kept) == twin.n_atoms and mem._state.atoms.free
     mem.save(tmp_path / "m.npz")
     with np.load(tmp_path / "m.npz") as z:
         for k in keys:
             assert not np.any(np.all(z["X"] == k, axis=1))
-        free = np.array(sorted(SVMemory.load(tmp_path / "m.npz")._atoms.free))
+        free = np.array(sorted(SVMemory.load(tmp_path / "m.npz")._state.atoms.free))
         assert np.all(z["K"][free] == 0.0) and np.all(z["K"][:, free] == 0.0) and np.all(z["X"][free] == 0.0)
     x = rng.standard_normal(3)
-    slot_before = sorted(mem._atoms.free)
+    slot_before = sorted(mem._state.atoms.free)
     mem.add(x, np.ones(2), token_id="new")
     twin.add(x, np.ones(2), token_id="new")
-    assert mem._atoms.slot_of("new") in slot_before
+    assert mem._state.atoms.slot_of("new") in slot_before
     Q = rng.standard_normal((30, 3))
     assert np.max(np.abs(mem.decision_function(Q) - twin.decision_function(Q))) <= 1e-10
     assert mem.partition() == twin.partition()
@@ -188,7 +188,7 @@ def test_preallocated_capacity_changes_no_result_and_digest_tracks_the_state():
     for x in X:
         grown.add(x)
         sized.add(x)
-    assert sized._cap == 41 and grown._cap == 64
+    assert sized._state.cap == 41 and grown._state.cap == 64
     assert sized.state_digest() == grown.state_digest()
     before = grown.state_digest()
     victim = sorted(grown.partition().margin)[0]

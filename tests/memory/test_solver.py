@@ -53,12 +53,12 @@ def numerically_singular(mem):
 def check_maintained_g(mem):
     """The solver leaves its maintained g within its stated error bound of the coefficients' fp64 g (exact
     summation-order differences aside: 1e-13), and whatever reads g gets it exact."""
-    live = mem._live_slots()
-    exact = mem._exact_g()[live]
-    assert np.all(np.abs(mem._buf.g[live] - exact) <= mem._g_err + 1e-13)
+    live = mem._state.live_slots()
+    exact = mem._solver.exact_g()[live]
+    assert np.all(np.abs(mem._state.buf.g[live] - exact) <= mem._state.g_err + 1e-13)
     tid = mem.token_ids()[0]
-    slot = mem._atoms.slot_of(tid)
-    assert abs(mem.decision_value_of(tid) - exact[list(live).index(slot)]) <= 1e-13 and mem._g_err == 0
+    slot = mem._state.atoms.slot_of(tid)
+    assert abs(mem.decision_value_of(tid) - exact[list(live).index(slot)]) <= 1e-13 and mem._state.g_err == 0
 
 
 def check_refit(mem, probes=None):
@@ -238,17 +238,17 @@ def test_single_precision_rates_are_within_their_stated_bound(regime):
     mem = SVMemory(C=1 / 24, gamma=0.7)
     for x in make_keys(rng, regime, 300, 4):
         mem.add(x)
-    n, m = mem._n, int(mem._buf.ints[0])
-    S = mem._buf.S[:m]
+    n, m = mem._state.n, int(mem._state.buf.ints[0])
+    S = mem._state.buf.S[:m]
     assert m > 10
     worst = 0.0
-    for c in np.flatnonzero(mem._buf.status[:n] != 1)[:40]:
-        _, beta = core._border_solve(mem._buf.K, mem._buf.S, m, mem._buf.R, c)
+    for c in np.flatnonzero(mem._state.buf.status[:n] != 1)[:40]:
+        _, beta = core._border_solve(mem._state.buf.K, mem._state.buf.S, m, mem._state.buf.R, c)
         for s in (1.0, -1.0):
             w = (2.0 * s) * beta[1:]
-            approx = s * (2.0 * mem._buf.K[c, :n] + beta[0])
-            core._accumulate_rows(mem._buf.KS32, np.arange(m), w, m, n, approx)
-            exact = s * (2.0 * mem._buf.K[c, :n] + beta[0]) + mem._buf.K[:n, S] @ w
+            approx = s * (2.0 * mem._state.buf.K[c, :n] + beta[0])
+            core._accumulate_rows(mem._state.buf.KS32, np.arange(m), w, m, n, approx)
+            exact = s * (2.0 * mem._state.buf.K[c, :n] + beta[0]) + mem._state.buf.K[:n, S] @ w
             bound = core._rate_error(w, m, 1.0, beta[0])
             gap = np.abs(approx - exact).max()
             assert gap <= bound
@@ -261,17 +261,17 @@ def test_refactorisation_falls_back_to_the_pseudo_inverse_on_a_singular_margin_s
     then take the pseudo-inverse (counted) instead of failing or returning non-finite entries."""
     from memory import solver_core as core
     from memory.kkt import bordered_matrix
-    from memory.solver_state import SolverBuffers
+    from memory.solver_state import GUARD, GUARDS, SolverBuffers
     X = np.array([[0.0, 0.0], [0.0, 0.0], [1.0, 0.5]])  # rows 0 and 1 equal: K's rows 0 and 1 are equal
     K = np.zeros((4, 4))
     K[:3, :3] = rbf(X, X, 0.8)
     S = np.array([0, 1, 2, 0])
     KSS, R = np.zeros((4, 4)), np.zeros((5, 5))
-    ints, guards = np.array([3, 7]), np.zeros(len(core.GUARDS), dtype=np.int64)
+    ints, guards = np.array([3, 7]), np.zeros(len(GUARDS), dtype=np.int64)
     core.refactor(SolverBuffers(K=K, g=np.zeros(4), alpha=np.zeros(4), status=np.zeros(4, dtype=np.int8),
                                 box=np.zeros(4), S=S, KSS=KSS, KS32=np.zeros((4, 4), dtype=np.float32), ints=ints,
                                 R=R, guards=guards))
-    assert guards[core.GUARDS.index("pinv")] == 1 and ints[1] == 0
+    assert guards[GUARD["pinv"]] == 1 and ints[1] == 0
     M, Rm = bordered_matrix(K, S[:3]), R[:4, :4]
     assert np.all(np.isfinite(Rm)) and np.array_equal(Rm, Rm.T)
     assert np.abs(M @ Rm @ M - M).max() <= 1e-12
@@ -290,12 +290,12 @@ def test_the_maintained_g_stays_within_its_error_bound_between_operations():
     for _ in range(60):
         part = mem.partition()
         mem.remove(sorted(part.margin | part.bound)[int(rng.integers(len(part.margin | part.bound)))])
-        live = mem._live_slots()
-        gap = np.abs(mem._buf.g[live] - mem._exact_g()[live]).max()
-        assert gap <= mem._g_err + 1e-13 and mem._g_err <= core._G_RESYNC
-        if mem._g_err:
+        live = mem._state.live_slots()
+        gap = np.abs(mem._state.buf.g[live] - mem._solver.exact_g()[live]).max()
+        assert gap <= mem._state.g_err + 1e-13 and mem._state.g_err <= core._G_RESYNC
+        if mem._state.g_err:
             stale += 1
-            worst = max(worst, gap / mem._g_err)
+            worst = max(worst, gap / mem._state.g_err)
         mem.add(rng.standard_normal(4) * 1.5)  # some land outside: solver-path adds from a stale g as well
     assert stale >= 50  # the decrement left g to the bound, not recomputed, in (nearly) every operation
     assert worst > 1e-3  # and the bound is not vacuous (measured: the gap reaches a visible share of it)
@@ -306,17 +306,17 @@ def test_a_margin_set_that_outgrows_its_buffers_takes_the_same_path_in_larger_on
     """The margin buffers (inverse, K_SS, single-precision rows) are sized by the margin set and start small; a
     sweep whose margin set outgrows them goes on in doubled ones. The path, and so every bit of the result, must
     be the one taken in buffers large enough from the start (here they start at 2 atoms and double many times)."""
-    import memory.svmemory as svm
+    import memory.exact_solver as solver
     rng = np.random.default_rng(3)
     X = rng.standard_normal((80, 3)) * 1.5
     roomy = SVMemory(C=1 / 12, gamma=0.5, capacity=128)  # a declared capacity sizes the margin buffers too
-    monkeypatch.setattr(svm, "_MARGIN_CAPACITY_START", 2)
+    monkeypatch.setattr(solver, "MARGIN_CAPACITY_START", 2)
     small = SVMemory(C=1 / 12, gamma=0.5)
     for x in X:
         roomy.add(x)
         small.add(x)
     assert small.state_digest() == roomy.state_digest() and small.kkt_residual() <= KKT_TOL
-    assert 2 < small._buf.KSS.shape[0] < small._cap and len(small.partition().margin) > small._buf.KSS.shape[0] // 2
+    assert 2 < small._state.buf.KSS.shape[0] < small._state.cap and len(small.partition().margin) > small._state.buf.KSS.shape[0] // 2
     for _ in range(10):
         part = small.partition()
         removed = sorted(part.margin | part.bound)[int(rng.integers(len(part.margin | part.bound)))]
@@ -336,18 +336,18 @@ def test_near_atoms_are_re_evaluated_exactly_or_every_g_is_left_for_a_full_recom
     mem = SVMemory(C=1 / 10, gamma=0.5)
     for x in rng.standard_normal((60, 3)):
         mem.add(x)
-    n, exact = mem._n, mem._exact_g()
-    reserve = np.flatnonzero(mem._buf.status[:n] == RESERVE)
+    n, exact = mem._state.n, mem._solver.exact_g()
+    reserve = np.flatnonzero(mem._state.buf.status[:n] == RESERVE)
     assert len(reserve) > core._NEAR_EXACT + 1
     g_err = 1e-3
     g = exact.copy()
     g[reserve[:3]] = [-5e-4, 0.0, 5e-4]  # three near atoms, their maintained g off by up to the bound
-    worst = core._refresh_near(mem._buf.K, mem._buf.alpha, g, mem._buf.status, n, -1, mem.rho_, 1.0, g_err)
-    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(mem._buf.K, mem._buf.alpha, n, mem.rho_, 1.0, i)
+    worst = core._refresh_near(mem._state.buf.K, mem._state.buf.alpha, g, mem._state.buf.status, n, -1, mem.rho_, 1.0, g_err)
+    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(mem._state.buf.K, mem._state.buf.alpha, n, mem.rho_, 1.0, i)
                                            for i in reserve[:3]])
     assert worst == max(0.0, -g[reserve[:3]].min()) and worst <= 1e-15
     g = exact.copy()
     g[reserve[:core._NEAR_EXACT + 1]] = 0.0
     before = g.copy()
-    assert core._refresh_near(mem._buf.K, mem._buf.alpha, g, mem._buf.status, n, -1, mem.rho_, 1.0, g_err) == -1.0
+    assert core._refresh_near(mem._state.buf.K, mem._state.buf.alpha, g, mem._state.buf.status, n, -1, mem.rho_, 1.0, g_err) == -1.0
     assert np.array_equal(g, before)
