@@ -88,14 +88,14 @@ def cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
            ("an unknown config name", ["run", "--config", "no-such-config"], {}),
            ("a config that is not YAML", ["run", "--config", str(_write(work / "configs" / "bad.yaml", "a: [1,\n"))],
             {})]
-    edits = {"nu: 0": lambda c: c["protocols"]["fixed_context"].update(nu=0),
-             "sigma: 0": lambda c: c["protocols"]["fixed_context"].update(sigma=0),
-             "a misspelled nested key (nuu)": lambda c: c["protocols"]["fixed_context"].update(
-                 nuu=c["protocols"]["fixed_context"].pop("nu")),
-             "an unknown label in the streaming selection": lambda c: c["protocols"]["streaming"].update(
+    edits = {"nu: 0": lambda c: c.fixed_context.update(nu=0),
+             "sigma: 0": lambda c: c.fixed_context.update(sigma=0),
+             "a misspelled nested key (nuu)": lambda c: c.fixed_context.update(
+                 nuu=c.fixed_context.pop("nu")),
+             "an unknown label in the streaming selection": lambda c: c.streaming.update(
                  select_label="composite_vital"),
-             "an infeasible nu grid (1.5)": lambda c: c["protocols"]["streaming"].update(nu_grid=[0.3, 1.5]),
-             "a negative nu": lambda c: c["protocols"]["streaming"].update(nu_grid=[-0.3]),
+             "an infeasible nu grid (1.5)": lambda c: c.streaming.update(nu_grid=[0.3, 1.5]),
+             "a negative nu": lambda c: c.streaming.update(nu_grid=[-0.3]),
              "an unknown held-out channel": lambda c: c["token_labels"]["heldout_spo2"].update(heldout_channel="sp02"),
              "an unknown threshold channel": lambda c: c["token_labels"]["composite_vitals"]["thresholds"].update(
                  hrr={"above": 1}),

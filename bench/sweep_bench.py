@@ -128,7 +128,7 @@ def token_bench(ws, args, t_extract):
     if args.skip_full:
         return 0
     t0 = time.perf_counter()
-    work = partial(_score_chunk, settings=settings, fixed=cfg["protocols"]["fixed_context"])
+    work = partial(_score_chunk, settings=settings, fixed=cfg.fixed_context)
     with ProcessPoolExecutor(max_workers=args.workers) as ex:
         rows = [r for part in ex.map(work, balanced_chunks(streams, args.workers * 4, size=len)) for r in part]
     t_score = time.perf_counter() - t0

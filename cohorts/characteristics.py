@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import meds
 import polars as pl
 
 from pipeline.extract import quarantine_reasons
@@ -16,6 +15,7 @@ from pipeline.extract import quarantine_reasons
 from .predicates import code_expr, describe_codes
 
 if TYPE_CHECKING:
+    from .config import CohortConfig
     from pathlib import Path
 
 SPLITS = ("all", "train", "eval")
@@ -111,10 +111,10 @@ def token_counts(labelled: pl.DataFrame, labels: list[str]) -> pl.DataFrame:
                                                      *[pl.col(n).cast(pl.Int64).sum() for n in labels])
 
 
-def _criterion_rows(cohort: pl.DataFrame, fired: pl.DataFrame, cfg: dict) -> list[Row]:
+def _criterion_rows(cohort: pl.DataFrame, fired: pl.DataFrame, cfg: CohortConfig) -> list[Row]:
     fired = fired.join(cohort.select("stay_id", "split"), on="stay_id")
     rows = []
-    for c in cfg["deterioration"]["criteria"]:
+    for c in cfg.section("deterioration")["criteria"]:
         mine = fired.filter(pl.col("criterion") == c["name"])
         rows += [Row("hours in which it fires", _by_split(mine, lambda f: Count(f.height, unit="hours")),
                      group=c["name"]),
@@ -122,23 +122,23 @@ def _criterion_rows(cohort: pl.DataFrame, fired: pl.DataFrame, cfg: dict) -> lis
     return rows
 
 
-def death_stays(events: pl.DataFrame, cfg: dict) -> pl.Series:
+def death_stays(events: pl.DataFrame, cfg: CohortConfig) -> pl.Series:
     """The stays with a death code dated inside their window (ICU mortality)."""
-    return events.filter(code_expr(cfg["cohort"].get("death_codes", [meds.death_code])))["stay_id"].unique()
+    return events.filter(code_expr(list(cfg.cohort.death_codes)))["stay_id"].unique()
 
 
-def describe_cohort(store: Path, cfg: dict, cohort: pl.DataFrame, deaths: pl.Series, fired: pl.DataFrame,
+def describe_cohort(store: Path, cfg: CohortConfig, cohort: pl.DataFrame, deaths: pl.Series, fired: pl.DataFrame,
                     token_stays: pl.DataFrame | None = None) -> CohortTable:
     """Table 1 of the cohort, from per-stay facts a run gathers chunk by chunk: ``deaths`` (stay ids,
     :func:`death_stays`), ``fired`` (stay_id, hour, criterion: :func:`cohorts.definitions.deterioration_hours`)
     and ``token_stays`` (:func:`token_counts`; None in events mode)."""
-    death_codes = cfg["cohort"].get("death_codes", [meds.death_code])
+    death_codes = list(cfg.cohort.death_codes)
     rows = _demographics(cohort, deaths)
     if token_stays is not None:
-        rows += _token_rows(token_stays, [n for n in (cfg.get("token_labels") or {}) if n in token_stays.columns])
+        rows += _token_rows(token_stays, [n for n in cfg.section("token_labels") if n in token_stays.columns])
     notes = ("unit: the ICU stay of an adult (anchor_age >= {min_age}) lasting at least {min_hours} h; "
-             "median [interquartile range] or n (%)".format(min_age=cfg["cohort"]["min_age"],
-                                                            min_hours=cfg["cohort"]["min_stay_hours"]),
+             "median [interquartile range] or n (%)".format(min_age=cfg.cohort.min_age,
+                                                            min_hours=cfg.cohort.min_stay_hours),
              f"ICU mortality: a death code ({describe_codes(death_codes)}) dated inside the stay's window",
              "age: MIMIC-IV anchor_age (ages above 89 are shifted to 91 in the source)",
              "quarantined rows: every row of the store the extraction rejected, by its rule (all patients)")

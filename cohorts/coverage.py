@@ -8,6 +8,8 @@ shipped config whose codes it carries.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pathlib import Path
 
 import polars as pl
@@ -15,6 +17,9 @@ import polars as pl
 from .definitions import DEFAULT_CONFIG, load_config
 from .errors import EmptyRunError
 from .predicates import code_expr, code_spec
+
+if TYPE_CHECKING:
+    from .config import CohortConfig
 
 TOP_CODES = 8       # the dataset's most frequent codes shown beside a config that reads nothing
 
@@ -25,10 +30,10 @@ def code_counts(shards: list[Path]) -> pl.DataFrame:
             .sort(["count", "code"], descending=[True, False]).collect())
 
 
-def unread_channels(cfg: dict, counts: pl.DataFrame) -> list[tuple[str, object]]:
+def unread_channels(cfg: CohortConfig, counts: pl.DataFrame) -> list[tuple[str, object]]:
     """(channel, its code predicate) of each token channel that no code of ``counts`` matches."""
     out = []
-    for ch in (cfg.get("tokens") or {}).get("channels") or []:
+    for ch in cfg.section("tokens").get("channels") or []:
         spec = code_spec(ch, f"token channel {ch.get('name')!r}")
         if counts.filter(code_expr(spec)).height == 0:
             out.append((ch["name"], spec))
@@ -39,7 +44,7 @@ def top_codes(counts: pl.DataFrame, n: int = TOP_CODES) -> str:
     return ", ".join(f"{c} ({k:,})" for c, k in counts.head(n).iter_rows())
 
 
-def check_channels_read(cfg: dict, counts: pl.DataFrame, config_name: str, dataset: str) -> None:
+def check_channels_read(cfg: CohortConfig, counts: pl.DataFrame, config_name: str, dataset: str) -> None:
     """EmptyRunError when a token channel of the config matches no code of the dataset, naming the config, what
     it looked for and the dataset's most frequent codes."""
     unread = unread_channels(cfg, counts)

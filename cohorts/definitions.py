@@ -10,6 +10,7 @@ import yaml
 
 from pipeline.extract import scan_events
 
+from .config import DEFAULT_SMALL_CELL_THRESHOLD, CohortConfig
 from .config_check import check_config
 from .endpoints import endpoints_from_config
 from .errors import CohortConfigError
@@ -19,7 +20,9 @@ from .stay_chunks import in_windows
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
 
 
-def load_config(path: Path | None = None) -> dict | None:
+def load_config(path: Path | None = None) -> CohortConfig:
+    """The cohort config at ``path`` (default: the shipped default), checked whole and typed, or one
+    :class:`CohortConfigError` naming the file and the problem."""
     where = Path(path or DEFAULT_CONFIG)
     try:
         cfg = yaml.safe_load(where.read_text())
@@ -41,7 +44,7 @@ def load_config(path: Path | None = None) -> dict | None:
     except (TypeError, AttributeError, KeyError) as e:     # a section of the wrong shape (a list for a mapping...)
         raise CohortConfigError(f"cohort config {where}: a section has the wrong shape ({type(e).__name__}: {e}); "
                                 f"compare it with the shipped {DEFAULT_CONFIG.name}") from None
-    return cfg
+    return CohortConfig.from_raw(cfg, where)
 
 
 def _check_sections(cfg: dict) -> None:
@@ -65,12 +68,12 @@ def _check_sections(cfg: dict) -> None:
                 _checked_codes(comp, f"{where}, component {name!r}")
     _checked_codes({"codes": cfg["cohort"].get("death_codes", [meds.death_code])}, "cohort.death_codes")
     endpoints_from_config(cfg)
-    small_cell_threshold(cfg)
+    _check_small_cell_threshold(cfg)
 
 
-def small_cell_threshold(cfg: dict) -> int:
-    """The smallest count of people a shared report shows (``report.small_cell_threshold``; 11 by default)."""
-    t = (cfg.get("report") or {}).get("small_cell_threshold", 11)
+def _check_small_cell_threshold(cfg: dict) -> None:
+    """The smallest count of people a shared report shows (``report.small_cell_threshold``): a positive integer."""
+    t = (cfg.get("report") or {}).get("small_cell_threshold", DEFAULT_SMALL_CELL_THRESHOLD)
     if not isinstance(t, int) or isinstance(t, bool) or t < 1:
         raise CohortConfigError(f"report.small_cell_threshold must be a positive integer, not {t!r}")
     return t
@@ -99,16 +102,17 @@ def resolve_config(name_or_path: str | None) -> Path:
     return path
 
 
-def install_config(root: Path, name_or_path: str | None) -> dict:
+def install_config(root: Path, name_or_path: str | None) -> CohortConfig:
     """Validate a cohort config and make it the workspace's (``WS/config.yaml``), which every later step of
-    the workspace reads (runs, deletions); without one the workspace keeps the config it has."""
-    path = resolve_config(name_or_path)
-    cfg = load_config(path)
+    the workspace reads (runs, deletions); without one the workspace keeps the config it has. Returns the
+    workspace's config as installed."""
     target = Path(root) / WORKSPACE_CONFIG
     if name_or_path is not None or not target.exists():
+        path = resolve_config(name_or_path)
+        load_config(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
-    return cfg
+    return load_config(target)
 
 
 def workspace_config_path(root: Path) -> Path:
@@ -117,24 +121,23 @@ def workspace_config_path(root: Path) -> Path:
     return path if path.exists() else DEFAULT_CONFIG
 
 
-def workspace_config(root: Path) -> dict:
+def workspace_config(root: Path) -> CohortConfig:
     """The workspace's cohort config (the default when the workspace has none yet)."""
     return load_config(workspace_config_path(root))
 
 
-def is_eval_subject(subject_id: int, cfg: dict) -> bool:
+def is_eval_subject(subject_id: int, cfg: CohortConfig) -> bool:
     """Stable subject-level split: a keyed hash of the subject id, never Python's salted hash()."""
-    h = hashlib.sha256(f"{cfg['split']['salt']}:{int(subject_id)}".encode()).digest()
-    return int.from_bytes(h[:8], "big") % 10_000 < cfg["split"]["eval_fraction"] * 10_000
+    h = hashlib.sha256(f"{cfg.split.salt}:{int(subject_id)}".encode()).digest()
+    return int.from_bytes(h[:8], "big") % 10_000 < cfg.split.eval_fraction * 10_000
 
 
-def build_cohort(store: Path, cfg: dict) -> pl.DataFrame:
+def build_cohort(store: Path, cfg: CohortConfig) -> pl.DataFrame:
     """ICU stays of adults lasting at least ``min_stay_hours``, with their split."""
     stays = pl.read_parquet(Path(store) / "stays.parquet")
     hours = (pl.col("outtime") - pl.col("intime")).dt.total_seconds() / 3600.0
     stays = stays.with_columns(hours.alias("stay_hours")).filter(
-        (pl.col("anchor_age") >= cfg["cohort"]["min_age"]) &
-        (pl.col("stay_hours") >= cfg["cohort"]["min_stay_hours"]))
+        (pl.col("anchor_age") >= cfg.cohort.min_age) & (pl.col("stay_hours") >= cfg.cohort.min_stay_hours))
     split = [("eval" if is_eval_subject(s, cfg) else "train") for s in stays["subject_id"]]
     return stays.with_columns(pl.Series("split", split, dtype=pl.String)).sort("stay_id")
 
@@ -150,10 +153,10 @@ def stay_events(store: Path, cohort: pl.DataFrame) -> pl.DataFrame:
     return in_windows(ev, cohort).sort(["stay_id", "time", "code", "event_hash", "occurrence"]).collect()
 
 
-def deterioration_hours(events: pl.DataFrame, cfg: dict) -> pl.DataFrame:
+def deterioration_hours(events: pl.DataFrame, cfg: CohortConfig) -> pl.DataFrame:
     """(stay_id, hour, criterion) rows: the hours in which each criterion fires."""
     frames = []
-    for c in cfg["deterioration"]["criteria"]:
+    for c in cfg.section("deterioration")["criteria"]:
         sel = events.filter(code_expr(code_spec(c, c["name"])))
         if has_value_bounds(c):
             sel = sel.filter(value_expr(c))
@@ -209,26 +212,26 @@ def _sofa_rise_hours(events, c):
             .filter(pl.col("risen") & ~pl.col("risen").shift(1).over("stay_id").fill_null(False)))
 
 
-def rare_codes(events: pl.DataFrame, cohort: pl.DataFrame, cfg: dict) -> tuple:
+def rare_codes(events: pl.DataFrame, cohort: pl.DataFrame, cfg: CohortConfig) -> tuple:
     """Codes rare in the training split: count <= the configured quantile of per-code counts."""
     train = cohort.filter(pl.col("split") == "train")["stay_id"]
     counts = events.filter(pl.col("stay_id").is_in(train.implode())).group_by("code").len()
     return rare_from_counts(counts, set(events["code"].unique()), cfg)
 
 
-def rare_from_counts(train_counts: pl.DataFrame, codes: set, cfg: dict) -> tuple:
+def rare_from_counts(train_counts: pl.DataFrame, codes: set, cfg: CohortConfig) -> tuple:
     """(rare codes, threshold) from the training split's per-code event counts (code, len) and every code of
     the cohort's stays: the codes at or below the configured quantile of the counts, and the codes never seen
     in training."""
     if train_counts.height == 0:
         return set(), 0.0
-    threshold = float(train_counts["len"].quantile(cfg["rare_items"]["quantile"], interpolation="lower"))
+    threshold = float(train_counts["len"].quantile(cfg.rare_quantile, interpolation="lower"))
     rare = set(train_counts.filter(pl.col("len") <= threshold)["code"])
     unseen = set(codes) - set(train_counts["code"])
     return rare | unseen, threshold
 
 
-def label_events(events: pl.DataFrame, cohort: pl.DataFrame, cfg: dict) -> pl.DataFrame:
+def label_events(events: pl.DataFrame, cohort: pl.DataFrame, cfg: CohortConfig) -> pl.DataFrame:
     """Events with their ``deteriorating`` (the flag of their hour) and ``rare`` flags."""
     hours = deterioration_hours(events, cfg).select("stay_id", "hour").unique().with_columns(
         pl.lit(True).alias("deteriorating"))

@@ -16,6 +16,7 @@ from pipeline.keys import EventKeyer
 from .definitions import build_cohort, label_events, stay_events
 
 if TYPE_CHECKING:
+    from .config import CohortConfig
     from pathlib import Path
 
     from memory.encoder import EventEncoder
@@ -59,7 +60,7 @@ def encode(encoder: EventEncoder, events: pl.DataFrame, keyer: EventKeyer) -> np
         return encoder(idx, f).double().numpy()
 
 
-def training_windows(store: Path, cfg: dict, window: int = 64) -> tuple:
+def training_windows(store: Path, cfg: CohortConfig, window: int = 64) -> tuple:
     """Windows of the training split's stays, and the keyer fitted on them."""
     cohort = build_cohort(store, cfg)
     events = label_events(stay_events(store, cohort), cohort, cfg)

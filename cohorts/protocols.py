@@ -27,7 +27,8 @@ from memory.policies import SVSelection, make_policy
 from memory.svmemory import SVMemory
 
 from .evaluation import fraction_budget
-from .tokens import KEYSET_ALL, TokenScaling, keyset_of, label_specs
+from .config import CohortConfig, FixedContext, StreamingProtocol
+from .tokens import KEYSET_ALL, TokenScaling, keyset_of
 
 if TYPE_CHECKING:
     import polars as pl
@@ -62,11 +63,11 @@ class StreamingSettings:
         return 1.0 / self.sigma ** 2
 
 
-def token_streams(labelled: pl.DataFrame, scaling: TokenScaling, cfg: dict, split: str | None = "eval"
+def token_streams(labelled: pl.DataFrame, scaling: TokenScaling, cfg: CohortConfig, split: str | None = "eval"
                   ) -> list[TokenStream]:
     """Typed streams of one split's stays (None: every stay) from labelled tokens
     (:func:`cohorts.tokens.label_tokens`), keys standardised by ``scaling``."""
-    specs = label_specs(cfg)
+    specs = cfg.labels
     names = scaling.channels
     keysets = {keyset_of(s) for s in specs.values()} | {KEYSET_ALL}
     cols = {ks: [i for i, c in enumerate(names) if ks == KEYSET_ALL or ks != f"without_{c}"] for ks in keysets}
@@ -202,58 +203,57 @@ def score_streaming(stream: TokenStream, points: list[tuple[str, int]], settings
     return rows
 
 
-def selection_grid(protocol_cfg: dict) -> list[StreamingSettings]:
-    return [StreamingSettings(float(nu), float(sigma)) for nu in protocol_cfg["nu_grid"]
-            for sigma in protocol_cfg["sigma_grid"]]
+def selection_grid(protocol: StreamingProtocol) -> list[StreamingSettings]:
+    return [StreamingSettings(nu, sigma) for nu in protocol.nu_grid for sigma in protocol.sigma_grid]
 
 
-def selects_on(stream: TokenStream, protocol_cfg: dict) -> bool:
+def selects_on(stream: TokenStream, protocol: StreamingProtocol) -> bool:
     """Whether a training stay takes part in the choice: longer than the budget, with a labelled token."""
-    return len(stream) > int(protocol_cfg["select_budget"]) and bool(stream.labels[protocol_cfg["select_label"]].any())
+    return len(stream) > protocol.select_budget and bool(stream.labels[protocol.select_label].any())
 
 
-def grid_scores(stream: TokenStream, protocol_cfg: dict) -> list[tuple[float, float]]:
+def grid_scores(stream: TokenStream, protocol: StreamingProtocol) -> list[tuple[float, float]]:
     """(retention of ``select_label``, certified fraction) of SV streaming on one training stay, per setting
     of :func:`selection_grid`."""
-    budget, label = int(protocol_cfg["select_budget"]), protocol_cfg["select_label"]
+    budget, label = protocol.select_budget, protocol.select_label
     out = []
-    for st in selection_grid(protocol_cfg):
+    for st in selection_grid(protocol):
         kept, extra = streaming_sv(stream.keys[stream.label_keyset[label]], budget, st, expiry=False)
         out.append((retention(kept, stream.labels[label]), extra.get("certified_fraction", 1.0)))
     return out
 
 
-def choose_settings(per_stay: list[list[tuple[float, float]]], protocol_cfg: dict) -> StreamingSettings:
+def choose_settings(per_stay: list[list[tuple[float, float]]], protocol: StreamingProtocol) -> StreamingSettings:
     """The setting with the best mean retention among those whose mean certified fraction reaches
     ``min_certified`` (the largest certified fraction when none does), from the stays' :func:`grid_scores`."""
     results = []
-    for j, st in enumerate(selection_grid(protocol_cfg)):
+    for j, st in enumerate(selection_grid(protocol)):
         ret = [s[j][0] for s in per_stay]
         cert = [s[j][1] for s in per_stay]
         results.append({"nu": st.nu, "sigma": st.sigma, "train_stays": len(per_stay),
                         "retention": float(np.mean(ret)) if ret else float("nan"),
                         "certified_fraction": float(np.mean(cert)) if cert else float("nan")})
-    ok = [r for r in results if r["certified_fraction"] >= protocol_cfg["min_certified"]]
+    ok = [r for r in results if r["certified_fraction"] >= protocol.min_certified]
     best = max(ok, key=lambda r: r["retention"]) if ok else max(results, key=lambda r: r["certified_fraction"])
     return StreamingSettings(best["nu"], best["sigma"], selection=results)
 
 
-def choose_streaming_settings(train: list[TokenStream], protocol_cfg: dict) -> StreamingSettings:
+def choose_streaming_settings(train: list[TokenStream], protocol: StreamingProtocol) -> StreamingSettings:
     """nu_B and sigma from the config's grid, scored on training-split stays only (longer than the budget).
 
     The setting with the best mean retention of ``select_label`` among those whose mean certified fraction
     reaches ``min_certified``; the largest certified fraction when none does.
     """
-    return choose_settings([grid_scores(s, protocol_cfg) for s in train if selects_on(s, protocol_cfg)],
-                           protocol_cfg)
+    return choose_settings([grid_scores(s, protocol) for s in train if selects_on(s, protocol)], protocol)
 
 
 def score_token_streams(streams: list[TokenStream], budgets: tuple, fractions: tuple, settings: StreamingSettings,
-                        fixed: dict, memory_budget: int | None = None, fraction_cap: int | None = None) -> list[dict]:
+                        fixed: FixedContext, memory_budget: int | None = None,
+                        fraction_cap: int | None = None) -> list[dict]:
     """Both protocols over ``streams``: the per-stay long rows of a run (``fixed``: the fixed-context config)."""
     rows = []
     for s in streams:
-        rows += score_fixed_context(s, float(fixed["nu"]), float(fixed["sigma"]))
+        rows += score_fixed_context(s, fixed.nu, fixed.sigma)
         points = [(str(int(b)), int(b)) for b in budgets]
         points += [(f"f{f:g}", fraction_budget(f, len(s), fraction_cap)) for f in fractions]
         rows += score_streaming(s, points, settings, memory_budget=memory_budget)

@@ -19,13 +19,14 @@ from .stream_mode import StreamMode
 from .tokens import TokenScaling, build_tokens
 
 if TYPE_CHECKING:
+    from .config import CohortConfig
     from collections.abc import Callable
     from pathlib import Path
 
     from memory.encoder import EventEncoder
 
 
-def evaluation_streams(store: Path, cfg: dict, max_events: int | None = None,
+def evaluation_streams(store: Path, cfg: CohortConfig, max_events: int | None = None,
                        encoder: EventEncoder | None = None) -> tuple[list[EventStream], dict]:
     """(streams, cohort summary): one :class:`EventStream` per evaluation stay, with learned keys when a
     trained ``encoder`` (memory.encoder.EventEncoder) is given.
@@ -83,7 +84,7 @@ class CohortStream(NamedTuple):
     subject_ids: np.ndarray
 
 
-def cohort_event_stream(store: Path, cfg: dict, key: bytes, keyer: EventKeyer | None = None,
+def cohort_event_stream(store: Path, cfg: CohortConfig, key: bytes, keyer: EventKeyer | None = None,
                         subject_id: int | None = None) -> CohortStream:
     """The whole cohort's events in global time order, keyed, for the cohort memory.
 
@@ -120,7 +121,7 @@ def hour_token_names(key: bytes) -> Callable:
     return name
 
 
-def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScaling | None = None,
+def cohort_token_stream(store: Path, cfg: CohortConfig, key: bytes, scaling: TokenScaling | None = None,
                         subject_id: int | None = None) -> CohortStream:
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
 
@@ -144,7 +145,7 @@ def cohort_token_stream(store: Path, cfg: dict, key: bytes, scaling: TokenScalin
                         tok["subject_id"].to_numpy())
 
 
-def cohort_stream(store: Path, cfg: dict, tokens: StreamMode, key: bytes,
+def cohort_stream(store: Path, cfg: CohortConfig, tokens: StreamMode, key: bytes,
                   scaler: TokenScaling | EventKeyer | None = None, subject_id: int | None = None) -> CohortStream:
     """The cohort memory's input in either stream mode."""
     if StreamMode(tokens) is StreamMode.HOURLY:

@@ -17,7 +17,7 @@ provenance stay exact at event level.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,54 +25,13 @@ import polars as pl
 
 from pipeline.extract import scan_events, store_codes
 
-from .config_check import check_token_labels
+from .channels import Channel
+from .config import CohortConfig
 from .definitions import CohortConfigError, build_cohort, label_events, stay_events
-from .predicates import PredicateError, code_spec, matching_codes
+from .predicates import matching_codes
 
-# name -> (scale, offset): unit = raw * scale + offset
-CONVERSIONS = {"fahrenheit_to_celsius": (5.0 / 9.0, -32.0 * 5.0 / 9.0)}
 KEYSET_ALL = "all_channels"
 SCALINGS = ("reference", "training_split")
-
-
-@dataclass(frozen=True)
-class Channel:
-    """One token channel: the codes that measure it, their conversions and its plausible range."""
-    name: str
-    codes: tuple  # exact codes and {regex: ...} patterns (cohorts.predicates)
-    lo: float
-    hi: float
-    convert: dict = field(default_factory=dict)   # code -> (scale, offset)
-
-
-def channels_from_config(cfg: dict) -> list[Channel]:
-    spec = cfg.get("tokens") or {}
-    if not spec.get("channels"):
-        raise CohortConfigError("cohort config lacks tokens.channels (needed for hourly tokens)")
-    out = []
-    for c in spec["channels"]:
-        if not c.get("name") or len(c.get("plausible") or ()) != 2:
-            raise CohortConfigError(f"token channel {c.get('name')!r} needs name, codes and plausible: [lo, hi]")
-        try:
-            spec = code_spec(c, f"token channel {c['name']!r}")
-        except PredicateError as e:
-            raise CohortConfigError(str(e)) from None
-        conv = {}
-        for code, how in (c.get("convert") or {}).items():
-            if isinstance(how, str):
-                if how not in CONVERSIONS:
-                    raise CohortConfigError(f"token channel {c['name']!r}: unknown conversion {how!r} "
-                                            f"(known: {sorted(CONVERSIONS)}, or {{scale, offset}})")
-                conv[code] = CONVERSIONS[how]
-            else:
-                conv[code] = (float(how["scale"]), float(how.get("offset", 0.0)))
-        lo, hi = (float(v) for v in c["plausible"])
-        out.append(Channel(c["name"], tuple(spec) if isinstance(spec, list) else (spec,), lo, hi, conv))
-    return out
-
-
-def bin_hours(cfg: dict) -> float:
-    return float((cfg.get("tokens") or {}).get("bin_hours", 1))
 
 
 @dataclass
@@ -121,11 +80,11 @@ class TokenScaling:
         return (raw - self.mean) / self.sd
 
 
-def declared_scaling(cfg: dict, names: list[str]) -> TokenScaling | None:
+def declared_scaling(cfg: CohortConfig, names: list[str]) -> TokenScaling | None:
     """Token scaling declared in the cohort config (``tokens.scaling: reference`` with per-channel
     ``reference: {median, mean, sd}``): independent of the patients; None when the config asks for the
     training split's statistics."""
-    spec = cfg.get("tokens") or {}
+    spec = cfg.section("tokens")
     how = spec.get("scaling", "training_split")
     if how not in SCALINGS:
         raise CohortConfigError(f"tokens.scaling must be one of {SCALINGS}, got {how!r}")
@@ -210,14 +169,14 @@ def filled_tokens(events: pl.LazyFrame, spec: pl.DataFrame, cohort: pl.DataFrame
     return filled, counts
 
 
-def build_tokens(store: Path, cfg: dict, scaling: TokenScaling | None = None,
+def build_tokens(store: Path, cfg: CohortConfig, scaling: TokenScaling | None = None,
                  cohort: pl.DataFrame | None = None, events: pl.LazyFrame | None = None) -> TokenTable:
     """Hourly tokens of every cohort stay at once (small stores, one subject's stays; a run builds them chunk by
     chunk, :mod:`cohorts.token_run`). ``scaling`` (from a persisted memory) is used as given; otherwise it
     is fitted on the training split's stays. ``events``: the rows to read (default: the whole store)."""
-    channels = channels_from_config(cfg)
+    channels = cfg.channels
     names = [c.name for c in channels]
-    hours_per_bin = bin_hours(cfg)
+    hours_per_bin = cfg.bin_hours
     cohort = build_cohort(store, cfg) if cohort is None else cohort
     rows = scan_events(store) if events is None else events
     filled, counts = filled_tokens(rows, reading_spec(channels, store_codes(store)), cohort, names, hours_per_bin)
@@ -248,18 +207,12 @@ def threshold_expr(thresholds: dict) -> pl.Expr:
     return fired
 
 
-def label_specs(cfg: dict) -> dict:
-    """The config's token labels, checked (:func:`cohorts.config_check.check_token_labels`); channels too."""
-    channels_from_config(cfg)
-    return check_token_labels(cfg)
-
-
 def keyset_of(spec: dict) -> str:
     """The key set a label is scored on: all channels, or all but its held-out channel."""
     return f"without_{spec['heldout_channel']}" if spec.get("heldout_channel") else KEYSET_ALL
 
 
-def label_tokens(table: TokenTable, store: Path, cfg: dict, cohort: pl.DataFrame | None = None,
+def label_tokens(table: TokenTable, store: Path, cfg: CohortConfig, cohort: pl.DataFrame | None = None,
                  events: pl.DataFrame | None = None) -> pl.DataFrame:
     """The token frame with one boolean column per label of ``token_labels``.
 
@@ -267,7 +220,7 @@ def label_tokens(table: TokenTable, store: Path, cfg: dict, cohort: pl.DataFrame
     in which a deterioration criterion fires or a rare-code event occurs (events of the whole stay, not only
     the channels). ``events``: the cohort's stay events when the caller has them already.
     """
-    specs = label_specs(cfg)
+    specs = cfg.labels
     tok = table.tokens
     exprs = [threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s]
     tok = tok.with_columns(exprs) if exprs else tok

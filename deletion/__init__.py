@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from cohorts.definitions import workspace_config
 from pipeline.evidence import (SIGNING_KEY_ENV, TrustAnchor, load_signing_key, public_hex, read_log,
                                signer_problems)
 from pipeline.locking import workspace_lock
@@ -40,13 +41,13 @@ __all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "check_subject", "delete
            "scan_subject"]
 
 
-def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key, n_jitter, compare):
+def _stage_deletion(ws, cfg, txn, sid, subject_hash, stay_files, mode, log, signing_key, n_jitter, compare):
     t0 = time.perf_counter()
     removed = rewrite_store(ws, txn, sid, subject_hash)
     removed |= remove_stay_artifacts(ws, txn, sid, stay_files)
     crash_point("staged_store")
     run = derived.prepare(ws, txn, [sid]) if mode == "replay" else None
-    memories = rewrite_memories(ws, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None,
+    memories = rewrite_memories(ws, cfg, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None,
                                 compare=compare)
     crash_point("staged_memories")
     recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn)) if run else []
@@ -55,7 +56,7 @@ def _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_k
         raise DeletionFailed(f"post-deletion scan still finds the subject: {residual}")
     cert = certificate(log, subject_hash, mode, removed, memories, residual, [] if run else stale_reports(ws),
                        time.perf_counter() - t0, recomputed)
-    name = stage_certificate(ws, txn, log, signing_key, cert)
+    name = stage_certificate(ws, txn, log, signing_key, cert, cfg.small_cell_threshold)
     crash_point("staged_certificate")
     return cert, name
 
@@ -85,8 +86,8 @@ def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait
                                  f"{'; '.join(problems)}")
         txn = Transaction(ws.root)
         try:
-            cert, name = _stage_deletion(ws, txn, sid, subject_hash, stay_files, mode, log, signing_key,
-                                         budget_refit_probes, compare_with_replay)
+            cert, name = _stage_deletion(ws, workspace_config(ws.root), txn, sid, subject_hash, stay_files, mode, log,
+                                         signing_key, budget_refit_probes, compare_with_replay)
         except BaseException:
             txn.abort()
             raise

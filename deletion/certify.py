@@ -5,7 +5,6 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-from cohorts.definitions import small_cell_threshold, workspace_config
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
 from pipeline.versions import code_version
 from reports.certificate_page import render_certificate_html
@@ -80,7 +79,8 @@ def _stamp_stale(ws, txn, stale, name) -> None:
         txn.stage(ws.report_html).write_text(ws.report_html.read_text().replace("<body>", "<body>" + banner, 1))
 
 
-def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, cert: dict) -> str:
+def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, cert: dict,
+                      small_cell_threshold: int) -> str:
     """Stage the certificate, its page, its receipt, its log entry and the newly signed checkpoint; mark the
     reports stale naming it. Returns the certificate's file name."""
     name = f"{log.size:06d}.json"
@@ -88,8 +88,7 @@ def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed
         # never overwrite another patient's certificate (read_log names a rolled-back log before this)
         raise DeletionFailed(f"certificate {name} exists already but the log has {log.size} entries: the log was "
                              f"rolled back; nothing is appended")
-    threshold = small_cell_threshold(workspace_config(ws.root))
-    text, page = canonical(cert), render_certificate_html(cert, name, threshold)
+    text, page = canonical(cert), render_certificate_html(cert, name, small_cell_threshold)
     line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
     txn.stage(ws.certificates / name).write_text(text)
     txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)

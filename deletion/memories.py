@@ -16,18 +16,19 @@ from .plan import DeletionFailed, owner
 if TYPE_CHECKING:
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
+    from cohorts.definitions import CohortConfig
     from run.cohort_memory import TokenScaling
 
 VERIFY_MAX_DEV = 1e-8
 
 
-def _subject_rows(ws, ckpt, sid, cache):
+def _subject_rows(ws, cfg, ckpt, sid, cache):
     """The subject's rows as checkpoint ``ckpt`` was fed them (its stream mode and key statistics), read from
     the store before the deletion commits: (order keys, keys). ``cache``: by mode and key statistics."""
     mode = checkpoint_tokens(ckpt)
     stats = scaler_file(ckpt).read_bytes()
     if (mode, stats) not in cache:
-        cache[(mode, stats)] = CohortRows(ws, mode, load_scaler(ckpt)).of_subject(sid)
+        cache[(mode, stats)] = CohortRows(ws, mode, load_scaler(ckpt), cfg).of_subject(sid)
     return cache[(mode, stats)]
 
 
@@ -50,7 +51,8 @@ def _stage(txn, ckpt, cm):
     return staged
 
 
-def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare: bool = True) -> tuple | None:
+def decrement(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, n_jitter: int,
+              compare: bool = True) -> tuple | None:
     """Every checkpoint holding the subject's tokens, exactly decremented and verified; every checkpoint that
     was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
     per checkpoint."""
@@ -59,7 +61,7 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare:
     for c in ckpts:
         cm = CohortMemory.load(c)
         tokens = cm.tokens_of(ref)
-        order, keys = _subject_rows(ws, c, sid, rows_of)
+        order, keys = _subject_rows(ws, cfg, c, sid, rows_of)
         if not tokens and not any(o <= cm.watermark for o in order):
             continue
         cm.forget_history(order, keys)
@@ -75,13 +77,13 @@ def decrement(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, compare:
             digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
             verification[c.name] = _verify(cm, removed_keys, n_jitter)
             if c == ckpts[-1]:
-                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, sid, cm, removed_keys) \
+                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, cfg, sid, cm, removed_keys) \
                     if compare else {"not_measured": "asked not to (it costs a replay of the cohort memory)"}
         _stage(txn, c, cm)
     return memories, verification, digests
 
 
-def _replayed(ws: Workspace, sid: int, scaler: TokenScaling | None) -> tuple:
+def _replayed(ws: Workspace, cfg: CohortConfig, sid: int, scaler: TokenScaling | None) -> tuple:
     """The latest checkpoint re-streamed without the subject, from the last checkpoint that never saw them
     (or from empty): (checkpoints, the latest as it is, its stream mode, the scaling, the clean bases, the
     replayed memory)."""
@@ -90,7 +92,7 @@ def _replayed(ws: Workspace, sid: int, scaler: TokenScaling | None) -> tuple:
     tokens = checkpoint_tokens(ckpts[-1])
     hourly = tokens is StreamMode.HOURLY
     scaler = scaler if scaler is not None and hourly else load_scaler(ckpts[-1])
-    rows = CohortRows(ws, tokens, scaler)
+    rows = CohortRows(ws, tokens, scaler, cfg)
     own, _ = rows.of_subject(sid)
     first = min(own) if own else None
     # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
@@ -104,13 +106,14 @@ def _replayed(ws: Workspace, sid: int, scaler: TokenScaling | None) -> tuple:
     return ckpts, latest, tokens, scaler, clean, base
 
 
-def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, scaler: TokenScaling | None = None) -> tuple:
+def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, n_jitter: int,
+           scaler: TokenScaling | None = None) -> tuple:
     """Re-stream the cohort memory without the subject from the last checkpoint that never saw them; hourly
     tokens under ``scaler`` when given (token scaling recomputed without the subject), else under the scaling
     persisted with the memory."""
     if not ws.checkpoints():
         return {}, {}, {}
-    ckpts, latest, tokens, scaler, clean, base = _replayed(ws, sid, scaler)
+    ckpts, latest, tokens, scaler, clean, base = _replayed(ws, cfg, sid, scaler)
     ref = owner(ws, sid)
     before = latest.memory.state_digest()
     # the other mode's checkpoints are history: removed only where they hold the subject
@@ -127,11 +130,12 @@ def replay(ws: Workspace, txn: Transaction, sid: int, n_jitter: int, scaler: Tok
             {target.name: {"before": before, "after": base.memory.state_digest()}})
 
 
-def never_saw_difference(ws: Workspace, sid: int, decremented: CohortMemory, removed_keys: np.ndarray) -> dict:
+def never_saw_difference(ws: Workspace, cfg: CohortConfig, sid: int, decremented: CohortMemory,
+                         removed_keys: np.ndarray) -> dict:
     """How far the decremented latest checkpoint is from the memory a replay without the subject gives: the
     tokens only one of them holds, and the deviation of their decision functions on probe queries (every
     token key either holds, and the subject's removed keys)."""
-    *_, replayed = _replayed(ws, sid, None)
+    *_, replayed = _replayed(ws, cfg, sid, None)
     a, b = set(decremented.memory.token_ids()), set(replayed.memory.token_ids())
     probes = [decremented.memory.key_of(t) for t in a] + [replayed.memory.key_of(t) for t in b]
     probes = np.vstack(probes + ([removed_keys] if len(removed_keys) else [])) if probes else np.empty((0, 0))
@@ -154,12 +158,12 @@ def replayed_memory_info(ws: Workspace, txn: Transaction) -> dict | None:
                        {"checked": False, "replayed_without_a_deleted_patient": True})
 
 
-def rewrite_memories(ws: Workspace, txn: Transaction, sid: int, mode: str, n_jitter: int,
+def rewrite_memories(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, mode: str, n_jitter: int,
                      scaler: TokenScaling | None = None, compare: bool = True) -> tuple[dict, dict, dict]:
     """The cohort memory without the subject: ``decrement`` (``compare``: measure its distance to a replay) or
     ``replay`` (under ``scaler`` when the deletion recomputed the token scaling)."""
-    memories, verification, digests = decrement(ws, txn, sid, n_jitter, compare) if mode == "decrement" else \
-        replay(ws, txn, sid, n_jitter, scaler)
+    memories, verification, digests = decrement(ws, cfg, txn, sid, n_jitter, compare) if mode == "decrement" else \
+        replay(ws, cfg, txn, sid, n_jitter, scaler)
     failed = [n for n, v in verification.items() if not v["passed"]]
     if failed:
         raise DeletionFailed(f"refit verification failed for cohort memory checkpoint(s) {failed}: "

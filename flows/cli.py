@@ -237,7 +237,8 @@ def _extract(args):
     from pipeline.meds import MedsStayCodes
     from pipeline.privacy import load_key
     ws = Path(args.out).resolve().parent
-    stay_codes = MedsStayCodes.from_config(load_config(resolve_config(args.config)) if args.config else None)
+    stay_codes = MedsStayCodes.from_spec(load_config(resolve_config(args.config)).section("meds_source")
+                                         if args.config else None)
     # a store inside a workspace is written under the workspace's lock, as runs and deletions write it
     in_ws = (ws / ".lock").exists() or (ws / "ledger.jsonl").exists()
     with workspace_lock(ws, wait_seconds=60, purpose="extraction") if in_ws else nullcontext():

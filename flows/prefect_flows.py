@@ -1,8 +1,9 @@
 """Prefect 3 flows. Thin: each task calls one plain, separately tested function.
 
 ``scheduled_run`` = ``ingest`` -> ``evaluate`` (:mod:`run.evaluate`) -> cohort memory update -> ``report``;
-``delete_patient`` serves ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay rows) are never
-persisted (``persist_result=False``); nothing is cached by Prefect (the workspace's per-stay caches are).
+``delete_patient`` serves ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay
+rows) are never persisted (``persist_result=False``); nothing is cached by Prefect (the workspace's per-stay
+caches are).
 """
 import os
 import time
@@ -19,6 +20,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 from prefect.tasks import Task
 from prefect.utilities.annotations import quote
 
+from cohorts.config import CohortConfig
 from cohorts.definitions import CohortConfigError, install_config
 from cohorts.evaluation import EventStream, headline_rows
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
@@ -81,7 +83,7 @@ def extract_task(source: str, store: str, root: str, memory_limit: str, stay_cod
 
 
 @task(retries=1, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def train_encoder_task(root: str, steps: int, cfg: dict) -> dict:
+def train_encoder_task(root: str, steps: int, cfg: CohortConfig) -> dict:
     """Learned event keys: train the encoder on the training split's windows (CUDA when present)."""
     with progress.step(f"training the key encoder ({steps} steps)"):
         info = train_key_encoder(Workspace(root), steps, cfg)
@@ -91,7 +93,7 @@ def train_encoder_task(root: str, steps: int, cfg: dict) -> dict:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def prepare_task(root: str, params: RunParams, cfg: dict) -> PreparedRun:
+def prepare_task(root: str, params: RunParams, cfg: CohortConfig) -> PreparedRun:
     return prepare(Workspace(root), params, cfg)
 
 
@@ -121,7 +123,7 @@ def task_runner_map(fn: Callable, parts: list[list], advance: Callable, **common
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: dict) -> dict:
+def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: CohortConfig) -> dict:
     with progress.step("cohort memory", unit="tokens") as advance:
         info = update_cohort_memory(Workspace(root), cfg, budget=budget, tokens=tokens, on_fed=advance)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
@@ -129,8 +131,10 @@ def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: dict) ->
     return info
 
 
-@flow(name="forgetful-ingest")
-def ingest(root: str | Path, params: RunParams, cfg: dict) -> dict:
+# The run's typed parameters and config cross into these subflows in the process that parsed them; Prefect
+# records them (as JSON) without re-validating them into new objects.
+@flow(name="forgetful-ingest", validate_parameters=False)
+def ingest(root: str | Path, params: RunParams, cfg: CohortConfig) -> dict:
     """Extract new data into the workspace's store (the embedded generator's data when the run has no source)."""
     ws = Workspace(root)
     source = params.source
@@ -141,11 +145,11 @@ def ingest(root: str | Path, params: RunParams, cfg: dict) -> dict:
         source = ws.source
     with progress.phase("extract"):
         return extract_task(str(source), str(ws.store), str(ws.root), params.memory_limit,
-                            MedsStayCodes.from_config(cfg))
+                            MedsStayCodes.from_spec(cfg.section("meds_source")))
 
 
-@flow(name="forgetful-evaluate")
-def evaluate(root: str | Path, params: RunParams, cfg: dict) -> RunResult:
+@flow(name="forgetful-evaluate", validate_parameters=False)
+def evaluate(root: str | Path, params: RunParams, cfg: CohortConfig) -> RunResult:
     """:mod:`run.evaluate` over the workspace, per-stay scoring mapped over the flow's task runner."""
     if not is_compiled():       # in the workers, it would stall the first items of scoring, in each at once
         with progress.step("compiling the exact solver's inner loops (once after an install or upgrade)"):

@@ -275,8 +275,9 @@ class MedsStayCodes:
         self.admission, self.discharge, self.birth, self.sex = admission, discharge, birth, sex
 
     @classmethod
-    def from_config(cls, cfg: dict | None) -> MedsStayCodes:
-        spec = (cfg or {}).get("meds_source") or {}
+    def from_spec(cls, spec: dict | None) -> MedsStayCodes:
+        """From a cohort config's ``meds_source`` section (None or empty: the MIMIC-IV MEDS ETL's conventions)."""
+        spec = spec or {}
         return cls(**{k: spec[k] for k in ("admission", "discharge", "birth", "sex") if k in spec})
 
 

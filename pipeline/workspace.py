@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .privacy import keyed_hash, stay_ref
+from .privacy import stay_ref
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from cohorts.definitions import workspace_config
 from cohorts.stream_mode import StreamMode
 from cohorts.streams import CohortStream, cohort_stream, hour_token_names
-from cohorts.tokens import TokenScaling, channels_from_config, declared_scaling
+from cohorts.tokens import TokenScaling, declared_scaling
 from memory.cohort import DIGEST_MOD, CohortMemory, history_digest, row_hash
 from pipeline.keys import EventKeyer
 from pipeline.privacy import store_key
@@ -21,6 +21,7 @@ from pipeline.privacy import store_key
 from .token_run import OrderedTokens, StayIndex, fit_scaling, stay_facts
 
 if TYPE_CHECKING:
+    from cohorts.config import CohortConfig
     from collections.abc import Callable
 
     import numpy as np
@@ -62,10 +63,10 @@ def copy_checkpoint_extras(src: Path, dst: Path) -> None:
             shutil.copyfile(f, Path(dst) / f.name)
 
 
-def cohort_memory_gamma(cfg: dict, tokens: StreamMode) -> float:
+def cohort_memory_gamma(cfg: CohortConfig, tokens: StreamMode) -> float:
     """Kernel width of the cohort memory: the fixed-context sigma on token keys, 0.5 on 13-d event keys."""
     hourly = StreamMode(tokens) is StreamMode.HOURLY
-    return 1.0 / float(cfg["protocols"]["fixed_context"]["sigma"]) ** 2 if hourly else 0.5
+    return 1.0 / cfg.fixed_context.sigma ** 2 if hourly else 0.5
 
 
 class CohortRows:
@@ -74,7 +75,7 @@ class CohortRows:
     token cache, never all at once; raw events (small stores) are keyed in memory. Each is read on first use."""
 
     def __init__(self, ws: Workspace, tokens: StreamMode, scaler: TokenScaling | EventKeyer | None = None,
-                 cfg: dict | None = None):
+                 cfg: CohortConfig | None = None):
         self.ws, self.tokens, self._scaler = ws, StreamMode(tokens), scaler
         self.cfg = cfg or workspace_config(ws.root)
         self.key = store_key(ws.store, ws.root)
@@ -97,7 +98,7 @@ class CohortRows:
             return self._scaler
         if not self.hourly:
             return self.events.scaler
-        names = [c.name for c in channels_from_config(self.cfg)]
+        names = [c.name for c in self.cfg.channels]
         return declared_scaling(self.cfg, names) or fit_scaling(self.ws, self.index, names)
 
     def _ordered(self, after: str = "", upto: str | None = None, exclude: frozenset = frozenset()) -> OrderedTokens:
@@ -151,7 +152,7 @@ def _unchanged_base(ckpts: list[Path], rows: CohortRows) -> tuple:
     return None, None
 
 
-def update_cohort_memory(ws: Workspace, cfg: dict | None = None, budget: int = 128,
+def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget: int = 128,
                          tokens: StreamMode = StreamMode.HOURLY, on_fed: Callable | None = None) -> dict:
     """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
     seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cohorts.definitions import workspace_config
-from cohorts.endpoints import endpoints_from_config
 from cohorts.evaluation import EventStream, aggregate, balanced_chunks, long_rows, run_sweep
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
 from cohorts.stream_mode import StreamMode
@@ -27,10 +26,11 @@ from pipeline import progress
 from .params import RunParams
 from .provenance import provenance
 from .result import RunResult
-from .steps import (EMBEDDED_SOURCE, prepare_token_run, run_metadata, run_statistics, save_results, score_pending, scoring_plan,
-                    workspace_event_streams)
+from .steps import (EMBEDDED_SOURCE, prepare_token_run, run_metadata, run_statistics, save_results, score_pending,
+                    scoring_plan, workspace_event_streams)
 
 if TYPE_CHECKING:
+    from cohorts.config import CohortConfig
     from collections.abc import Callable
 
     from pipeline.workspace import Workspace
@@ -80,7 +80,7 @@ class PreparedRun:
     streams (raw events), and the cohort's summary. Patient-level: it stays in the process."""
     ws: Workspace
     params: RunParams
-    cfg: dict
+    cfg: CohortConfig
     cohort: dict
     started: float
     index: StayIndex | None = None
@@ -104,7 +104,7 @@ class PreparedRun:
         plan = scoring_plan(self.params)
         if self.index is not None:
             common = dict(budgets=plan.budgets, fractions=plan.fractions, settings=self.settings,
-                          fixed=self.cfg["protocols"]["fixed_context"], memory_budget=plan.memory_budget,
+                          fixed=self.cfg.fixed_context, memory_budget=plan.memory_budget,
                           fraction_cap=plan.fraction_cap)
 
             def score_batch(batch: list[TokenStream], advance: Callable) -> list[dict]:
@@ -121,7 +121,7 @@ class PreparedRun:
             rows = long_rows([r for part in done for r in part])
             save_results(self.ws, rows)
             with progress.step("statistics"):
-                summary, paired = aggregate(rows, endpoints=endpoints_from_config(self.cfg))
+                summary, paired = aggregate(rows, endpoints=self.cfg.endpoints)
             scored = len(self.streams)
         metadata = run_metadata(self.ws, self.params, self.cfg, time.perf_counter() - self.started, self.settings)
         described = described or self.ws
@@ -129,7 +129,7 @@ class PreparedRun:
         return RunResult(tuple(summary), tuple(paired), self.cohort, metadata, origin), scored
 
 
-def prepare(ws: Workspace, params: RunParams, cfg: dict | None = None) -> PreparedRun:
+def prepare(ws: Workspace, params: RunParams, cfg: CohortConfig | None = None) -> PreparedRun:
     """The cohort's phases of a run over ``ws`` (its config unless ``cfg`` is given)."""
     started = time.perf_counter()
     cfg = cfg or workspace_config(ws.root)
@@ -165,6 +165,6 @@ def rerun(ws: Workspace, last_run_of: Workspace | None = None) -> PreparedRun | 
 
 
 def evaluate(ws: Workspace, params: RunParams, map_chunks: ChunkMap = process_pool_map,
-             cfg: dict | None = None) -> RunResult:
+             cfg: CohortConfig | None = None) -> RunResult:
     """A run's evaluation over ``ws``: :func:`prepare`, then :meth:`PreparedRun.score`."""
     return prepare(ws, params, cfg).score(map_chunks)[0]

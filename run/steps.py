@@ -16,8 +16,7 @@ import polars as pl
 from meds import held_out_split, train_split
 
 from cohorts.coverage import check_run_has_data
-from cohorts.definitions import build_cohort, is_eval_subject, small_cell_threshold, workspace_config_path
-from cohorts.endpoints import endpoints_from_config
+from cohorts.definitions import build_cohort, is_eval_subject, workspace_config_path
 from cohorts.evaluation import aggregate
 from cohorts.results import PairedRow, SummaryRow
 from cohorts.stay_chunks import code_digest
@@ -32,6 +31,7 @@ from pipeline.versions import code_version
 from .token_run import ScoringPlan, StayIndex, label_run, pending_streams, stay_facts, store_scores, write_results
 
 if TYPE_CHECKING:
+    from cohorts.config import CohortConfig
     from collections.abc import Callable
 
     from cohorts.protocols import StreamingSettings, TokenStream
@@ -43,14 +43,14 @@ EMBEDDED_SOURCE = "embedded generator (deterministic)"     # the data a run with
 ENCODER_NOT_TRAINED = "not trained: learned keys are for raw events (--tokens events with encoder steps > 0)"
 
 
-def run_metadata(ws: Workspace, params: RunParams, cfg: dict, seconds: float,
+def run_metadata(ws: Workspace, params: RunParams, cfg: CohortConfig, seconds: float,
                  settings: StreamingSettings | None = None) -> dict:
     """What the report says of how its numbers were made: the parameters, the rules, the code, the store."""
     if params.tokens is StreamMode.HOURLY:
-        fixed = cfg["protocols"]["fixed_context"]
+        fixed = cfg.fixed_context
         rules = {"tokens": "hourly patient-state tokens (cohort config: tokens)",
-                 "fixed_context_rule": f"per stay: exact solve with C = 1/(nu n), nu = {fixed['nu']}, sigma = "
-                                       f"{fixed['sigma']}; k = |S u E|; every baseline keeps k; stays with k = 0 "
+                 "fixed_context_rule": f"per stay: exact solve with C = 1/(nu n), nu = {fixed.nu}, sigma = "
+                                       f"{fixed.sigma}; k = |S u E|; every baseline keeps k; stays with k = 0 "
                                        f"or k >= n dropped (support_size_boundary rows)",
                  "sv_rule": f"streaming: C = 1/(nu_B B), nu_B = {settings.nu}, sigma = {settings.sigma} (chosen on "
                             f"the training split); evict the reserve token with the largest slack; fallback: exact "
@@ -60,10 +60,10 @@ def run_metadata(ws: Workspace, params: RunParams, cfg: dict, seconds: float,
         rules = {"tokens": "raw events", "max_events_per_stay": params.max_events,
                  "sv_rule": "C = 1/(0.5 B); evict the reserve token with the largest slack; fallback: exact "
                             "decrement of the smallest-coefficient active token (uncertified)"}
-    endpoints = endpoints_from_config(cfg).as_settings()
+    endpoints = cfg.endpoints.as_settings()
     return {"data_source": params.source or EMBEDDED_SOURCE, "code_version": code_version(),
             "budgets": list(params.budgets), "declared_endpoints": endpoints,
-            "small_cell_threshold": small_cell_threshold(cfg), "tokens_mode": params.tokens.value,
+            "small_cell_threshold": cfg.small_cell_threshold, "tokens_mode": params.tokens.value,
             "fractions": list(params.fractions),
             "fraction_budget_rule": f"round(fraction * stream length), at least 4, at most {params.fraction_cap} "
                                     "(the largest fixed budget)",
@@ -71,7 +71,7 @@ def run_metadata(ws: Workspace, params: RunParams, cfg: dict, seconds: float,
             "seconds": round(seconds, 2), "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **rules}
 
 
-def subject_splits(store: Path, cfg: dict) -> pl.DataFrame:
+def subject_splits(store: Path, cfg: CohortConfig) -> pl.DataFrame:
     """Every subject of the store in the config's subject-level split, named as MEDS names splits."""
     subjects = (scan_events(store).select("subject_id").unique().collect(engine="streaming")["subject_id"]
                 .sort().to_list())
@@ -87,7 +87,7 @@ def stay_memory_paths(ws: Workspace, stay_ids: list) -> list[str]:
     return [str(ws.stay_memory(s, key)) for s in stay_ids]
 
 
-def workspace_event_streams(ws: Workspace, cfg: dict, max_events: int | None = None) -> tuple[list, dict]:
+def workspace_event_streams(ws: Workspace, cfg: CohortConfig, max_events: int | None = None) -> tuple[list, dict]:
     """The events-mode evaluation streams of a workspace (with learned keys when its encoder exists), each
     with the path its per-stay memory is persisted to."""
     encoder = None
@@ -99,7 +99,7 @@ def workspace_event_streams(ws: Workspace, cfg: dict, max_events: int | None = N
     return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
 
 
-def prepare_token_run(ws: Workspace, cfg: dict, chunk_stays: int = 256) -> tuple[StayIndex, dict]:
+def prepare_token_run(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256) -> tuple[StayIndex, dict]:
     """The first two phases of an hourly-token run over a workspace (:mod:`run.token_run`): per-stay facts
     chunk by chunk, then labels, MEDS label files and splits, token scaling and the streaming setting.
     Returns the run's index of stays (patient-level; it stays in the process) and the cohort's summary."""
@@ -120,7 +120,7 @@ def scoring_plan(params: RunParams) -> ScoringPlan:
     return ScoringPlan(params.budgets, params.fractions, params.memory_budget, params.fraction_cap)
 
 
-def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,
+def score_pending(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: ScoringPlan,
                   score_batch: Callable[[list[TokenStream]], list[dict]], batch_stays: int = 2048) -> int:
     """Score the evaluation streams whose scores are not cached, in batches (``score_batch(streams)`` gives
     their long rows: the flow maps it over its task runner), caching each batch; then write the run's
@@ -136,12 +136,12 @@ def score_pending(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan,
     return scored
 
 
-def run_statistics(ws: Workspace, cfg: dict) -> tuple[list[SummaryRow], list[PairedRow]]:
+def run_statistics(ws: Workspace, cfg: CohortConfig) -> tuple[list[SummaryRow], list[PairedRow]]:
     """Means, CIs and paired comparisons of the run's per-stay results, read from its results file, under the
     config's declared endpoints; reused from the last run when the results file, the endpoints and the code are
     the same (aggregates only are kept)."""
     cached = ws.statistics
-    endpoints = endpoints_from_config(cfg)
+    endpoints = cfg.endpoints
     h = hashlib.sha256((code_digest() + json.dumps(endpoints.as_settings(), sort_keys=True)).encode())
     with open(ws.results, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -175,7 +175,7 @@ def save_results(ws: Workspace, rows: list) -> Path:
     return ws.results
 
 
-def train_key_encoder(ws: Workspace, steps: int, cfg: dict) -> dict:
+def train_key_encoder(ws: Workspace, steps: int, cfg: CohortConfig) -> dict:
     """Train the learned-key encoder on the training split's windows and save it; a summary of the loss."""
     from memory.encoder import train_encoder        # torch: ~1.5 s to import, for learned keys only
 

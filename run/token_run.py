@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,8 +34,7 @@ from cohorts.protocols import (StreamingSettings, TokenStream, choose_settings, 
                                token_streams)
 from cohorts.stay_chunks import (StayChunk, chunk_events, chunk_scan, code_digest, in_windows, plan_chunks,
                                  stay_digests)
-from cohorts.tokens import (TokenScaling, bin_hours, channels_from_config, check_scaling, declared_scaling,
-                            filled_tokens, label_specs, reading_spec, threshold_expr)
+from cohorts.tokens import TokenScaling, check_scaling, declared_scaling, filled_tokens, reading_spec, threshold_expr
 from pipeline.extract import store_codes
 from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import LabelFiles, shard_of
@@ -44,6 +43,7 @@ from pipeline.privacy import id_refs, keyed_hash, store_key
 from .stay_cache import StayCache
 
 if TYPE_CHECKING:
+    from cohorts.config import CohortConfig
     from collections.abc import Callable, Iterator
 
     from pipeline.workspace import Workspace
@@ -53,10 +53,6 @@ INDEX = "index"
 
 def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def config_digest(cfg: dict) -> str:
-    return _digest(cfg)
 
 
 @dataclass
@@ -102,10 +98,10 @@ def _stay_refs(stay_ids: list[int], key: bytes) -> list[str]:
     return [keyed_hash(f"stay:{int(s)}", key)[:32] for s in stay_ids]
 
 
-def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], cfg: dict, spec: pl.DataFrame,
+def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], cfg: CohortConfig, spec: pl.DataFrame,
                  names: list[str]) -> dict[str, pl.DataFrame]:
     """The cached facts of the chunk's stays (already restricted to the stays to compute), keyed by content key."""
-    hours_per_bin = bin_hours(cfg)
+    hours_per_bin = cfg.bin_hours
     key_of = pl.DataFrame({"stay_id": list(keys), "key": list(keys.values())},
                           schema={"stay_id": pl.Int64, "key": pl.String})
     filled, counts = filled_tokens(events.lazy(), spec, chunk.stays, names, hours_per_bin)
@@ -125,15 +121,15 @@ def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], c
     return {"tokens": tokens, "facts": facts.join(per_channel, on="key", how="left"), "fired": fired, "codes": codes}
 
 
-def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Callable | None = None) -> StayIndex:
+def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chunk: Callable | None = None) -> StayIndex:
     """Phase 1: every cohort stay's content key, and the per-stay facts of the stays not yet cached.
 
     ``on_chunk(n)`` is told the stays of every chunk done (progress)."""
     store = ws.store
     cohort = build_cohort(store, cfg)
     cohort = cohort.with_columns((pl.col("subject_id") % N_BUCKETS).cast(pl.Int64).alias("shard"))
-    cfg_key = _digest(config_digest(cfg), code_digest())
-    channels = channels_from_config(cfg)
+    cfg_key = _digest(cfg.digest, code_digest())
+    channels = cfg.channels
     names = [c.name for c in channels]
     spec = reading_spec(channels, store_codes(store))
     secret = store_key(store, ws.root)
@@ -175,7 +171,7 @@ def stay_facts(ws: Workspace, cfg: dict, chunk_stays: int = 256, on_chunk: Calla
     return StayIndex(cohort.with_columns(key_col), computed={"tokens": computed})
 
 
-def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: dict) -> None:
+def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: CohortConfig) -> None:
     """The rare codes of the run, from the cached per-stay code counts: the training split's counts and every
     code of the cohort's stays."""
     codes = StayCache(ws, "codes").scan()
@@ -224,11 +220,11 @@ def fit_scaling(ws: Workspace, index: StayIndex, names: list[str]) -> TokenScali
     return TokenScaling.fit(frame, names)
 
 
-def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split: str | None = None) -> pl.DataFrame:
+def labelled_shard(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: int,
+                   split: str | None = None) -> pl.DataFrame:
     """The labelled, imputed tokens of one shard's cohort stays (of ``split`` only when given), in stay and
     hour order: the frame :func:`cohorts.tokens.label_tokens` gives for those stays."""
-    names = index.scaling.channels
-    hours_per_bin = bin_hours(cfg)
+    hours_per_bin = cfg.bin_hours
     rows = index.shard_rows(shard)
     if split is not None:
         rows = rows.filter(pl.col("split") == split)
@@ -239,7 +235,7 @@ def labelled_shard(ws: Workspace, index: StayIndex, cfg: dict, shard: int, split
            .with_columns((pl.col("intime") + pl.duration(seconds=pl.col("hour") * int(3600 * hours_per_bin)))
                          .alias("time")))
     tok = index.scaling.impute(tok)
-    specs = label_specs(cfg)
+    specs = cfg.labels
     tok = tok.with_columns(threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s)
     bins = {}
     fired = StayCache(ws, "fired").read(shard, rows["key"].to_list())
@@ -276,29 +272,29 @@ def stream_digest(stream: TokenStream, labels: list[str] | None = None) -> str:
     return h.hexdigest()[:32]
 
 
-def _selection_sample(index: StayIndex, cfg: dict) -> set[int]:
+def _selection_sample(index: StayIndex, cfg: CohortConfig) -> set[int]:
     """The training stays the streaming setting is chosen on: all of them, or the first ``select_max_stays``
     in a keyed order of their ids (a fixed, data-independent subsample that bounds the choice's cost)."""
     train = index.cohort.filter(pl.col("split") == "train")["stay_id"].to_list()
-    cap = cfg["protocols"]["streaming"].get("select_max_stays")
-    if cap is None or len(train) <= int(cap):
+    cap = cfg.streaming.select_max_stays
+    if cap is None or len(train) <= cap:
         return set(train)
-    salt = cfg["split"]["salt"]
+    salt = cfg.split.salt
     rank = sorted(train, key=lambda s: hashlib.sha256(f"{salt}:select:{int(s)}".encode()).digest())
-    return set(rank[:int(cap)])
+    return set(rank[:cap])
 
 
-def declared_settings(cfg: dict) -> StreamingSettings | None:
+def declared_settings(cfg: CohortConfig) -> StreamingSettings | None:
     """nu_B and sigma declared in the config (``protocols.streaming.nu`` and ``sigma``), else None (chosen on
     the training split)."""
-    st = cfg["protocols"]["streaming"]
-    return StreamingSettings(float(st["nu"]), float(st["sigma"])) if "nu" in st and "sigma" in st else None
+    st = cfg.streaming
+    return StreamingSettings(st.nu, st.sigma) if st.declared else None
 
 
-def _grid_rows(cache: StayCache, shard: int, streams: list[TokenStream], cfg: dict, grid_cfg_key: str) -> list:
+def _grid_rows(cache: StayCache, shard: int, streams: list[TokenStream], cfg: CohortConfig, grid_cfg_key: str) -> list:
     """Per training stream its grid scores, from the cache or computed now (and cached): (stay_id, scores)."""
     present = cache.keys(shard)
-    label = [cfg["protocols"]["streaming"]["select_label"]]     # the grid reads that label and its key set only
+    label = [cfg.streaming.select_label]     # the grid reads that label and its key set only
     keys = {s.stay_id: _digest(stream_digest(s, label), grid_cfg_key) for s in streams}
     known = cache.read(shard, [k for k in keys.values() if k in present])
     known = {} if known is None else {k: list(zip(g.sort("j")["retention"], g.sort("j")["certified"]))
@@ -307,7 +303,7 @@ def _grid_rows(cache: StayCache, shard: int, streams: list[TokenStream], cfg: di
     for s in streams:
         scores = known.get(keys[s.stay_id])
         if scores is None:
-            scores = grid_scores(s, cfg["protocols"]["streaming"])
+            scores = grid_scores(s, cfg.streaming)
             new.append(pl.DataFrame({"key": [keys[s.stay_id]] * len(scores), "j": list(range(len(scores))),
                                      "retention": [r for r, _ in scores], "certified": [c for _, c in scores]}))
         out.append((s.stay_id, scores))
@@ -315,28 +311,28 @@ def _grid_rows(cache: StayCache, shard: int, streams: list[TokenStream], cfg: di
     return out, len(new)
 
 
-def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256,
+def label_run(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays: int = 256,
               on_shard: Callable | None = None) -> dict:
     """Phase 2: rare vocabulary and hours, token scaling, MEDS label files, the streaming setting and the
     cohort's summary (aggregates only), shard by shard. ``on_shard(n)``: stays of each shard done."""
-    channels = channels_from_config(cfg)
+    channels = cfg.channels
     names = [c.name for c in channels]
     _rare_vocabulary(ws, index, cfg)
     _rare_hours(ws, index, chunk_stays)
     index.scaling = declared_scaling(cfg, names) or fit_scaling(ws, index, names)
     check_scaling(index.scaling, names)
-    specs = label_specs(cfg)
+    specs = cfg.labels
     files = LabelFiles({n: ws.labels / f"{n}.parquet" for n in specs})
     settings = declared_settings(cfg)
     sample = _selection_sample(index, cfg) if settings is None else set()
-    grid_cfg_key = _digest({k: v for k, v in cfg["protocols"]["streaming"].items() if k != "select_max_stays"},
+    grid_cfg_key = _digest(asdict(replace(cfg.streaming, select_max_stays=None)),
                            code_digest())
     grid, per_stay, computed = [], [], 0
     for shard in range(N_BUCKETS):
         tok = labelled_shard(ws, index, cfg, shard)
         if tok.height:
             ends = tok.with_columns((pl.col("time") + pl.duration(
-                microseconds=round(bin_hours(cfg) * 3_600_000_000))).alias("prediction_time"))
+                microseconds=round(cfg.bin_hours * 3_600_000_000))).alias("prediction_time"))
             for n in specs:
                 files.write(n, ends.select("subject_id", "prediction_time", pl.col(n).alias("boolean_value")))
             per_stay.append(tok.group_by("stay_id", "split").agg(pl.len().alias("tokens"),
@@ -344,7 +340,7 @@ def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256
             if settings is None:
                 train = tok.filter(pl.col("stay_id").is_in(pl.Series(sorted(sample), dtype=pl.Int64).implode()))
                 streams = [s for s in token_streams(train, index.scaling, cfg, split="train")
-                           if selects_on(s, cfg["protocols"]["streaming"])]
+                           if selects_on(s, cfg.streaming)]
                 scores, n_new = _grid_rows(StayCache(ws, "grid"), shard, streams, cfg, grid_cfg_key)
                 grid += scores
                 computed += n_new
@@ -352,12 +348,12 @@ def label_run(ws: Workspace, index: StayIndex, cfg: dict, chunk_stays: int = 256
             on_shard(index.shard_rows(shard).height)
     files.close()
     index.computed["grid"] = computed
-    index.settings = settings or choose_settings([s for _, s in sorted(grid)], cfg["protocols"]["streaming"])
+    index.settings = settings or choose_settings([s for _, s in sorted(grid)], cfg.streaming)
     return _summary(ws, index, cfg, pl.concat(per_stay) if per_stay else None)
 
 
-def _summary(ws: Workspace, index: StayIndex, cfg: dict, per_stay: pl.DataFrame | None) -> dict:
-    specs = label_specs(cfg)
+def _summary(ws: Workspace, index: StayIndex, cfg: CohortConfig, per_stay: pl.DataFrame | None) -> dict:
+    specs = cfg.labels
     cohort = index.cohort
     facts = StayCache(ws, "facts").scan()
     fired = StayCache(ws, "fired").scan()
@@ -378,7 +374,7 @@ def _summary(ws: Workspace, index: StayIndex, cfg: dict, per_stay: pl.DataFrame 
     summary = {"stays": int(cohort.height), "train_stays": int(cohort.height - n_eval), "eval_stays": n_eval,
                "stays_without_vitals": int(cohort.height - per_stay.height),
                "tokens": int(per_stay["tokens"].sum()), "eval_tokens": int(ev["tokens"].sum()),
-               "bin_hours": bin_hours(cfg),
+               "bin_hours": cfg.bin_hours,
                "readings_by_channel": {c: int(idx.get(c, {}).get("readings", 0)) for c in names},
                "artifacts_by_channel": {c: int(idx.get(c, {}).get("artifacts", 0)) for c in names}}
     for name in specs:
@@ -398,13 +394,13 @@ class ScoringPlan:
     memory_budget: int | None
     fraction_cap: int | None
 
-    def key(self, index: StayIndex, cfg: dict, stream: TokenStream) -> str:
+    def key(self, index: StayIndex, cfg: CohortConfig, stream: TokenStream) -> str:
         return _digest(stream_digest(stream), index.settings.nu, index.settings.sigma,
-                       cfg["protocols"]["fixed_context"], list(self.budgets), list(self.fractions),
+                       asdict(cfg.fixed_context), list(self.budgets), list(self.fractions),
                        self.memory_budget, self.fraction_cap, code_digest())
 
 
-def pending_streams(ws: Workspace, index: StayIndex, cfg: dict, plan: ScoringPlan, batch_stays: int = 2048,
+def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: ScoringPlan, batch_stays: int = 2048,
                     on_cached: Callable | None = None) -> Iterator[list[TokenStream]]:
     """The evaluation streams whose scores are not cached (or whose per-stay memory file is gone), in
     batches of at most ``batch_stays``, each stream with its memory path and score key (``score_key``).
@@ -502,17 +498,17 @@ class CohortBatch:
 
 class OrderedTokens:
     """The cohort's cached tokens ordered by order key (the bin's start, then the stay's smallest event hash),
-    those after ``after`` (and at or before ``upto``), without the subjects in ``exclude_subjects``. DuckDB sorts out of core,
-    so :meth:`batches` holds one block whatever the cohort's size. ``name(subject_id, stay_id, hour)``: a
+    those after ``after`` (and at or before ``upto``), without the subjects in ``exclude_subjects``. DuckDB sorts
+    out of core, so :meth:`batches` holds one block whatever the cohort's size. ``name(subject_id, stay_id, hour)``: a
     token's id (keyed references, no identifier)."""
 
-    def __init__(self, ws: Workspace, index: StayIndex, cfg: dict, scaling: TokenScaling, name: Callable,
+    def __init__(self, ws: Workspace, index: StayIndex, cfg: CohortConfig, scaling: TokenScaling, name: Callable,
                  after: str = "", upto: str | None = None, exclude_subjects: frozenset = frozenset()):
         self.parts = sorted(StayCache(ws, "tokens").dir.glob("*/*.parquet"))
         self.scaling, self.name = scaling, name
         self.cohort = index.cohort.select("key", "stay_id", "subject_id", "intime").to_arrow()
         files = "[" + ", ".join(map(sql_literal, self.parts)) + "]"
-        secs = int(3600 * bin_hours(cfg))
+        secs = int(3600 * cfg.bin_hours)
         where = ["order_key > ?"] + (["order_key <= ?"] if upto is not None else []) + \
             (["NOT list_contains(?::BIGINT[], subject_id)"] if exclude_subjects else [])
         self.params = [after] + ([upto] if upto is not None else []) + \

@@ -10,13 +10,14 @@ from cohorts.characteristics import Count, Spread, death_stays, describe_cohort,
 from cohorts.definitions import deterioration_hours
 from reports.html import render_report
 from run.provenance import provenance
-from tests.builders import hand_result
+from tests.builders import edited_config, hand_result
 
 T0 = datetime(2150, 1, 1)
-CFG = {"cohort": {"min_age": 18, "min_stay_hours": 12, "death_codes": ["MEDS_DEATH"]},
-       "deterioration": {"criteria": [{"name": "low_map", "codes": ["MAP"], "below": 65},
-                                      {"name": "icu_death", "codes": ["MEDS_DEATH"], "first_event": True}]},
-       "token_labels": {"composite": {}}}
+CFG = edited_config(lambda raw: raw.update(
+    cohort={"min_age": 18, "min_stay_hours": 12, "death_codes": ["MEDS_DEATH"]},
+    deterioration={"criteria": [{"name": "low_map", "codes": ["MAP"], "below": 65},
+                                {"name": "icu_death", "codes": ["MEDS_DEATH"], "first_event": True}]},
+    token_labels={"composite": {}}, endpoints={}))
 
 
 def cohort():

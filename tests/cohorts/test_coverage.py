@@ -1,7 +1,6 @@
 """No run succeeds on nothing: a config whose channels match no code of the data is one error naming the config,
 what it looked for and the data's most frequent codes; a MEDS source gets the shipped config it follows."""
 import argparse
-import copy
 from pathlib import Path
 
 import polars as pl
@@ -15,7 +14,7 @@ from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
-from tests.builders import meds_dataset
+from tests.builders import edited_config, meds_dataset
 
 DEMO_MEDS = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo-meds" / \
     "mimic_iv_demo_meds_events.parquet"
@@ -44,12 +43,10 @@ def test_a_channel_that_reads_nothing_ends_the_run_after_its_labels(tmp_path):
     source = generate(tmp_path / "source", GeneratorConfig(n_patients=6))
     ws = Workspace(tmp_path / "ws")
     extract(source, ws.store, key=load_key())
-    cfg = copy.deepcopy(load_config())
-    cfg["tokens"]["channels"][0]["codes"] = ["CHART//999999"]
+    cfg = edited_config(lambda raw: raw["tokens"]["channels"][0].update(codes=["CHART//999999"]))
     with pytest.raises(EmptyRunError, match=r"channel\(s\) \['hr'\] read no plausible value"):
         prepare_token_run(ws, cfg)
-    cfg = copy.deepcopy(load_config())
-    cfg["split"]["eval_fraction"] = 0.0
+    cfg = edited_config(lambda raw: raw["split"].update(eval_fraction=0.0))
     with pytest.raises(EmptyRunError, match="no evaluation stays to score"):
         prepare_token_run(ws, cfg)
 

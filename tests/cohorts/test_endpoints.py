@@ -38,7 +38,7 @@ def test_a_comparison_declared_twice_or_an_unknown_family_is_refused():
 
 def test_the_shipped_configs_declare_a_small_primary_family():
     for name in ("default", "mimic-iv-meds"):
-        e = endpoints_from_config(load_config(resolve_config(name)))
+        e = load_config(resolve_config(name)).endpoints
         assert 1 <= e.size("primary") <= 6 and e.size("secondary") >= 1
         assert e.as_settings()["primary"][0].startswith("fixed context, hourly tokens, composite_vitals")
 

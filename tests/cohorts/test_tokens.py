@@ -1,5 +1,4 @@
 """Hourly patient-state tokens, their labels and the two scoring protocols, on hand-made stays."""
-import copy
 import hashlib
 from datetime import datetime, timedelta
 
@@ -7,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from cohorts.definitions import is_eval_subject, load_config
+from cohorts.definitions import is_eval_subject
 from cohorts.endpoints import endpoints_from_config
 from cohorts.evaluation import aggregate, holm
 from cohorts.protocols import (StreamingSettings, exact_alpha, fixed_context_selections, h2o_proxy_kept, retrieval,
@@ -17,6 +16,7 @@ from memory.kernels import rbf
 from memory.libsvm import sklearn_fit
 from pipeline.extract_rules import N_BUCKETS
 from pipeline.meds import shard_of, write_frame_shard
+from tests.builders import edited_config
 
 T0 = datetime(2150, 1, 1, 8, 0, 0)
 VITAL = {"hr": "CHART//220045", "sbp": "CHART//220179", "dbp": "CHART//220180", "rr": "CHART//220210",
@@ -57,8 +57,7 @@ def _normal_hour(stay, subject, h, **over):
 
 @pytest.fixture()
 def store(tmp_path):
-    cfg = load_config()
-    cfg["tokens"]["scaling"] = "training_split"     # these stays test the fitted statistics
+    cfg = edited_config(lambda raw: raw["tokens"].update(scaling="training_split"))  # tests fitted statistics
     train, ev = _subject("train", cfg, 1000), _subject("eval", cfg, 1000)
     stays = {"stay_id": [1, 2], "subject_id": [train, ev], "hadm_id": [10, 20], "first_careunit": ["MICU"] * 2,
              "intime": [T0, T0], "outtime": [T0 + timedelta(hours=24)] * 2, "anchor_age": [60, 70]}
@@ -130,8 +129,8 @@ def test_each_label_on_hand_made_stays(store):
 
 def test_a_channel_without_training_readings_is_a_clear_error(store):
     root, cfg, _, _ = store
-    cfg = copy.deepcopy(cfg)
-    cfg["tokens"]["channels"].append({"name": "lactate", "codes": ["LAB//50813"], "plausible": [0, 30]})
+    cfg = edited_config(lambda raw: raw["tokens"]["channels"].append(
+        {"name": "lactate", "codes": ["LAB//50813"], "plausible": [0, 30]}), cfg)
     with pytest.raises(ValueError, match="lactate.*no plausible reading in any training-split stay"):
         build_tokens(root, cfg)
 

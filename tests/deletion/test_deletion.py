@@ -2,7 +2,6 @@
 import json
 import shutil
 
-import polars as pl
 import pytest
 
 from cohorts.definitions import build_cohort, load_config

@@ -259,7 +259,7 @@ def test_extraction_on_the_mimic_iv_demo(tmp_path):
 
 def test_acute_sofa_rise_hand_checked():
     cfg = load_config()
-    crit = [c for c in cfg["deterioration"]["criteria"] if c["name"] == "acute_sofa_rise"][0]
+    crit = [c for c in cfg.section("deterioration")["criteria"] if c["name"] == "acute_sofa_rise"][0]
     rows = [(0, "LAB//51265", 200.0), (0, "LAB//50912", 1.0), (1, "CHART//220052", 80.0),
             (10, "LAB//51265", 90.0),            # platelets < 100: coagulation 2 points
             (12, "INPUT//221906", 2.0),          # norepinephrine: cardiovascular 3 points
@@ -277,7 +277,7 @@ def test_bad_cohort_configs_are_clear_errors(tmp_path):
     import yaml
 
     from cohorts.definitions import CohortConfigError
-    cfg = load_config()
+    cfg = load_config().raw
     broken = dict(cfg, split={"salt": "x"})
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(broken))
     with pytest.raises(CohortConfigError, match="lacks split.eval_fraction"):

@@ -98,7 +98,7 @@ def test_the_store_is_a_valid_meds_dataset(ws):
 
 def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
     files = sorted(ws.labels.glob("*.parquet"))
-    assert {f.stem for f in files} == set(load_config()["token_labels"])
+    assert {f.stem for f in files} == set(load_config().labels)
     for f in files:
         table = pq.read_table(f)
         meds.LabelSchema.validate(table)
@@ -122,7 +122,7 @@ def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
 def test_a_meds_dataset_runs_end_to_end_like_the_csv_source(ws, tmp_path):
     src = _as_etl(ws.store, tmp_path / "etl")
     out = tmp_path / "store"
-    summary = extract(src, out, stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    summary = extract(src, out, stay_codes=MedsStayCodes.from_spec(MEDS_CONFIG.section("meds_source")))
     assert validate_dataset(out) == []
     stays, mine = pl.read_parquet(out / "stays.parquet"), pl.read_parquet(ws.store / "stays.parquet")
     assert stays.height == mine.height
@@ -136,10 +136,10 @@ def test_a_meds_dataset_runs_end_to_end_like_the_csv_source(ws, tmp_path):
     ours, _, ours_summary = prepare_token_streams(ws.store, load_config())
     theirs, _, theirs_summary = prepare_token_streams(out, MEDS_CONFIG, labels_dir=tmp_path / "labels")
     assert theirs_summary["tokens"] == ours_summary["tokens"] and len(theirs) == len(ours)
-    for name in load_config()["token_labels"]:
+    for name in load_config().labels:
         if name != "rare_items":     # rare codes depend on the code vocabulary, which differs by construction
             assert theirs_summary[f"eval_tokens_{name}"] == ours_summary[f"eval_tokens_{name}"], name
-    again = extract(src, out, stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    again = extract(src, out, stay_codes=MedsStayCodes.from_spec(MEDS_CONFIG.section("meds_source")))
     assert again.new_events == 0 and all(t.get("skipped") for t in again.tables.values())
 
 
@@ -147,12 +147,12 @@ def test_a_meds_source_s_code_metadata_gives_descriptions_and_may_omit_its_optio
     src = _as_etl(ws.store, tmp_path / "etl")
     pl.DataFrame({"code": ["MEDS_BIRTH"], "description": ["born"], "parent_codes": [["SNOMED/3950001"]]}) \
         .write_parquet(src / meds.code_metadata_filepath)
-    extract(src, tmp_path / "full", stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    extract(src, tmp_path / "full", stay_codes=MedsStayCodes.from_spec(MEDS_CONFIG.section("meds_source")))
     codes = pl.read_parquet(tmp_path / "full" / meds.code_metadata_filepath)
     assert codes.filter(pl.col("code") == "MEDS_BIRTH").select("description", "parent_codes").rows() == [
         ("born", ["SNOMED/3950001"])]
     pl.DataFrame({"code": ["MEDS_BIRTH"]}).write_parquet(src / meds.code_metadata_filepath)   # code only
-    extract(src, tmp_path / "bare", stay_codes=MedsStayCodes.from_config(MEDS_CONFIG))
+    extract(src, tmp_path / "bare", stay_codes=MedsStayCodes.from_spec(MEDS_CONFIG.section("meds_source")))
     assert validate_dataset(tmp_path / "bare") == []
 
 

@@ -17,6 +17,7 @@ from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import id_refs, load_key, subject_ref
 from pipeline.workspace import Workspace
+from tests.builders import edited_config
 
 BUDGETS, FRACTIONS = (8, 32), (0.1,)
 SORT = ["stay_ref", "protocol", "keys", "label", "budget", "policy", "metric"]
@@ -26,7 +27,7 @@ def _run(ws, cfg, chunk_stays=3):
     index, summary = prepare_token_run(ws, cfg, chunk_stays=chunk_stays)
 
     def score(batch, advance):
-        return score_token_streams(batch, BUDGETS, FRACTIONS, index.settings, cfg["protocols"]["fixed_context"],
+        return score_token_streams(batch, BUDGETS, FRACTIONS, index.settings, cfg.fixed_context,
                                    memory_budget=32, fraction_cap=max(BUDGETS))
     score_pending(ws, index, cfg, ScoringPlan(BUDGETS, FRACTIONS, 32, max(BUDGETS)), score, batch_stays=5)
     return index, summary, pl.read_parquet(ws.results).sort(SORT)
@@ -51,7 +52,7 @@ def test_the_chunked_run_equals_the_whole_cohort_in_memory(source, tmp_path):
     assert (index.settings.nu, index.settings.sigma) == (settings.nu, settings.sigma)
     assert index.settings.selection == settings.selection
     assert {k: v for k, v in summary.items() if k != "computed_stays"} == reference
-    expected = score_token_streams(streams, BUDGETS, FRACTIONS, settings, cfg["protocols"]["fixed_context"],
+    expected = score_token_streams(streams, BUDGETS, FRACTIONS, settings, cfg.fixed_context,
                                    fraction_cap=max(BUDGETS))
     assert rows.equals(id_refs(pl.DataFrame(expected), load_key()).select(rows.columns).sort(SORT))
     for f in sorted((tmp_path / "labels").glob("*.parquet")):
@@ -170,22 +171,22 @@ def test_a_deletion_drops_the_patient_s_cache_and_the_next_run_equals_one_that_n
 
 
 def test_declared_scaling_and_streaming_setting_are_used_as_given(source, tmp_path):
-    import copy
-
+    
     from cohorts.definitions import CohortConfigError
-    cfg = copy.deepcopy(load_config())
-    cfg["tokens"]["scaling"] = "reference"
-    for i, ch in enumerate(cfg["tokens"]["channels"]):
-        ch["reference"] = {"median": 50.0 + i, "mean": 60.0 + i, "sd": 10.0}
-    cfg["protocols"]["streaming"].update(nu=0.5, sigma=3.0)
+    def declared(raw):
+        raw["tokens"]["scaling"] = "reference"
+        for i, ch in enumerate(raw["tokens"]["channels"]):
+            ch["reference"] = {"median": 50.0 + i, "mean": 60.0 + i, "sd": 10.0}
+        raw["protocols"]["streaming"].update(nu=0.5, sigma=3.0)
+    cfg = edited_config(declared)
     ws = _workspace(tmp_path, "ws", source)
     index, _, rows = _run(ws, cfg)
-    assert index.scaling.median.tolist() == [50.0 + i for i in range(len(cfg["tokens"]["channels"]))]
+    assert index.scaling.median.tolist() == [50.0 + i for i in range(len(cfg.channels))]
     assert (index.settings.nu, index.settings.sigma, index.settings.selection) == (0.5, 3.0, [])
     assert index.computed["grid"] == 0 and rows.height
-    del cfg["tokens"]["channels"][0]["reference"]
+    cfg = edited_config(lambda raw: raw["tokens"]["channels"][0].pop("reference"), cfg)
     with pytest.raises(CohortConfigError, match="lack reference"):
         _run(_workspace(tmp_path, "ws2", source), cfg)
-    cfg["tokens"]["scaling"] = "per_run"
+    cfg = edited_config(lambda raw: raw["tokens"].update(scaling="per_run"), cfg)
     with pytest.raises(CohortConfigError, match="tokens.scaling must be one of"):
         _run(_workspace(tmp_path, "ws3", source), cfg)
