@@ -29,15 +29,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cohorts.definitions import load_config  # noqa: E402
-from cohorts.evaluation import DEFAULT_BUDGETS, DEFAULT_FRACTIONS, balanced_chunks, run_sweep, score_stay  # noqa: E402
+from cohorts.evaluation import balanced_chunks, run_sweep, score_stay  # noqa: E402
 from cohorts.protocols import (STREAMING_POLICIES, StreamingSettings, online_kept,  # noqa: E402
                                score_token_streams, streaming_sv)
-from cohorts.runs import prepare_token_streams, update_cohort_memory  # noqa: E402
+from run.cohort_memory import update_cohort_memory  # noqa: E402
+from run.params import RunParams  # noqa: E402
+from run.reference import prepare_token_streams  # noqa: E402
 from cohorts.streams import evaluation_streams  # noqa: E402
 from memory.policies import POLICIES  # noqa: E402
 from pipeline.extract import extract  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
+
+DEFAULTS = RunParams()     # the run's budgets and fractions
 
 DEMO = ROOT.parent / "shared" / "data" / "mimic-iv-demo"
 TABLE_BUDGETS = (8, 32, 64, 256)
@@ -78,9 +82,9 @@ def main(argv=None):
 
     if not args.skip_full:
         t0 = time.perf_counter()
-        rows = run_sweep(streams, workers=args.workers, policies=tuple(names))
+        rows = run_sweep(streams, DEFAULTS.budgets, DEFAULTS.fractions, workers=args.workers, policies=tuple(names))
         wall = time.perf_counter() - t0
-        print(f"\n## full sweep: budgets {DEFAULT_BUDGETS} + fractions, {len(names)} policies, {len(streams)} stays, "
+        print(f"\n## full sweep: budgets {DEFAULTS.budgets} + fractions, {len(names)} policies, {len(streams)} stays, "
               f"{args.workers} workers: {wall:.0f} s wall ({len(rows)} result rows)")
     return 0
 
@@ -102,8 +106,8 @@ def cost_table(names, run, n_items, ratio_title):
 
 
 def _score_chunk(chunk, settings, fixed):
-    return score_token_streams(chunk, DEFAULT_BUDGETS, DEFAULT_FRACTIONS, settings, fixed,
-                               fraction_cap=max(DEFAULT_BUDGETS))
+    return score_token_streams(chunk, DEFAULTS.budgets, DEFAULTS.fractions, settings,
+                               fixed, fraction_cap=DEFAULTS.fraction_cap)
 
 
 def token_bench(ws, args, t_extract):
@@ -138,7 +142,7 @@ def token_bench(ws, args, t_extract):
     total = t_extract + t_prep + t_score + t_cohort
     print(f"\n## token-mode run steps, {args.workers} workers (no Prefect)")
     print(f"extract {t_extract:.1f} s | tokens, labels, nu_B/sigma choice {t_prep:.1f} s | both protocols, budgets "
-          f"{DEFAULT_BUDGETS} + fractions, {len(rows)} rows {t_score:.1f} s | cohort memory ({info['fed']} tokens) "
+          f"{DEFAULTS.budgets} + fractions, {len(rows)} rows {t_score:.1f} s | cohort memory ({info['fed']} tokens) "
           f"{t_cohort:.1f} s | total {total:.1f} s")
     return 0
 

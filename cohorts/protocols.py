@@ -45,7 +45,7 @@ class TokenStream:
     labels: dict[str, np.ndarray]
     label_keyset: dict[str, str]
     memory_path: str | None = None
-    score_key: str | None = None      # its cached scores' key, in a run (cohorts.token_run)
+    score_key: str | None = None      # its cached scores' key, in a run (run.token_run)
 
     def __len__(self) -> int:
         return len(next(iter(self.keys.values())))

@@ -172,7 +172,7 @@ def filled_tokens(events: pl.LazyFrame, spec: pl.DataFrame, cohort: pl.DataFrame
 def build_tokens(store: Path, cfg: CohortConfig, scaling: TokenScaling | None = None,
                  cohort: pl.DataFrame | None = None, events: pl.LazyFrame | None = None) -> TokenTable:
     """Hourly tokens of every cohort stay at once (small stores, one subject's stays; a run builds them chunk by
-    chunk, :mod:`cohorts.token_run`). ``scaling`` (from a persisted memory) is used as given; otherwise it
+    chunk, :mod:`run.token_run`). ``scaling`` (from a persisted memory) is used as given; otherwise it
     is fitted on the training split's stays. ``events``: the rows to read (default: the whole store)."""
     channels = cfg.channels
     names = [c.name for c in channels]
