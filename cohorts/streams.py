@@ -65,9 +65,13 @@ def evaluation_streams(store: Path, cfg: CohortConfig, max_events: int | None = 
     return streams, summary
 
 
-def _cohort_of(store, cfg, subject_id):
+def _cohort_of(store, cfg, subject_ids):
     cohort = build_cohort(store, cfg)
-    return cohort if subject_id is None else cohort.filter(pl.col("subject_id") == int(subject_id))
+    return cohort if subject_ids is None else cohort.filter(pl.col("subject_id").is_in(_ids(subject_ids)))
+
+
+def _ids(subject_ids) -> pl.Series:
+    return pl.Series(sorted(int(s) for s in subject_ids), dtype=pl.Int64).implode()
 
 
 def _owners(subjects, key: bytes) -> dict:
@@ -85,16 +89,16 @@ class CohortStream(NamedTuple):
 
 
 def cohort_event_stream(store: Path, cfg: CohortConfig, key: bytes, keyer: EventKeyer | None = None,
-                        subject_id: int | None = None) -> CohortStream:
+                        subject_ids: frozenset | None = None) -> CohortStream:
     """The whole cohort's events in global time order, keyed, for the cohort memory.
 
     The keyer is fitted on the training split when none is given (and then persisted with the memory).
-    ``subject_id``: one subject's rows only (a deletion takes them out of the memory's history digest).
+    ``subject_ids``: those subjects' rows only (a deletion takes them out of the memory's history digest).
     Token ids name their patient by a keyed hash under ``key``, never by id.
     """
-    if keyer is None and subject_id is not None:
-        raise ValueError("one subject's stream needs the persisted keyer")
-    cohort = _cohort_of(store, cfg, subject_id)
+    if keyer is None and subject_ids is not None:
+        raise ValueError("some subjects' stream needs the persisted keyer")
+    cohort = _cohort_of(store, cfg, subject_ids)
     ev = stay_events(store, cohort)
     if keyer is None:
         train_ids = cohort.filter(pl.col("split") == "train")["stay_id"].implode()
@@ -122,19 +126,20 @@ def hour_token_names(key: bytes) -> Callable:
 
 
 def cohort_token_stream(store: Path, cfg: CohortConfig, key: bytes, scaling: TokenScaling | None = None,
-                        subject_id: int | None = None) -> CohortStream:
+                        subject_ids: frozenset | None = None) -> CohortStream:
     """The whole cohort's hourly tokens in global time order, for the cohort memory (hourly mode).
 
     ``scaling`` (training-split statistics) is fitted when none is given and then persisted with the memory.
     Order key: the bin's start time, then the stay's smallest event hash (a content hash already in the store,
     no identifier) to order tokens of different stays in the same hour.
     """
-    if scaling is None and subject_id is not None:
-        raise ValueError("one subject's stream needs the persisted token statistics")
-    # one subject's rows lie in their shard: only it is read
-    events = None if subject_id is None else \
-        scan_events_in(shard_of(store, subject_id)).filter(pl.col("subject_id") == int(subject_id))
-    table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_id), events=events)
+    if scaling is None and subject_ids is not None:
+        raise ValueError("some subjects' stream needs the persisted token statistics")
+    # a subject's rows lie in their shard: only the subjects' shards are read
+    events = None if subject_ids is None else \
+        scan_events_in(sorted({shard_of(store, s) for s in subject_ids if shard_of(store, s).exists()})) \
+        .filter(pl.col("subject_id").is_in(_ids(subject_ids)))
+    table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_ids), events=events)
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")
     order = pl.col("time").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f") + "|" + tie
@@ -146,8 +151,9 @@ def cohort_token_stream(store: Path, cfg: CohortConfig, key: bytes, scaling: Tok
 
 
 def cohort_stream(store: Path, cfg: CohortConfig, tokens: StreamMode, key: bytes,
-                  scaler: TokenScaling | EventKeyer | None = None, subject_id: int | None = None) -> CohortStream:
+                  scaler: TokenScaling | EventKeyer | None = None,
+                  subject_ids: frozenset | None = None) -> CohortStream:
     """The cohort memory's input in either stream mode."""
     if StreamMode(tokens) is StreamMode.HOURLY:
-        return cohort_token_stream(store, cfg, key, scaling=scaler, subject_id=subject_id)
-    return cohort_event_stream(store, cfg, key, keyer=scaler, subject_id=subject_id)
+        return cohort_token_stream(store, cfg, key, scaling=scaler, subject_ids=subject_ids)
+    return cohort_event_stream(store, cfg, key, keyer=scaler, subject_ids=subject_ids)

@@ -1,4 +1,5 @@
-"""Certified, all-or-nothing deletion of one patient from a workspace, as a sequence of named steps.
+"""Certified, all-or-nothing deletion of one patient, or of several at once, from a workspace, as a sequence of
+named steps.
 
 1. **lock and plan** (:mod:`.plan`): hold the workspace lock, settle any interrupted change, find what the
    workspace holds of the subject (or that they were deleted before), check the signed log;
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cohorts.definitions import workspace_config
@@ -25,10 +27,11 @@ from pipeline.migrate import check_format
 from pipeline.privacy import keyed_hash, store_key
 from pipeline.transaction import Transaction, crash_point, recover
 
-from .certify import certificate, stage_certificate, stale_reports
+from .certify import certificate, stage_certificates, stale_reports
 from . import derived
 from .memories import replayed_memory_info, rewrite_memories
-from .plan import AlreadyDeleted, DeletionFailed, check_subject, resolve_subject, scan_subject
+from .plan import (AlreadyDeleted, DeletionFailed, check_subject, check_subjects, resolve_subject, resolve_subjects,
+                   scan_subject)
 from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
 
@@ -37,48 +40,59 @@ if TYPE_CHECKING:
 
 MODES = ("decrement", "replay")
 
-__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "check_subject", "delete_subject", "resolve_subject",
-           "scan_subject"]
+__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "check_subject", "check_subjects", "delete_subject",
+           "delete_subjects", "resolve_subject", "resolve_subjects", "scan_subject"]
 
 
-def _stage_deletion(ws, cfg, txn, sid, subject_hash, stay_files, mode, log, signing_key, n_jitter, compare):
+def _stage_deletion(ws, cfg, txn, subjects, stay_files, mode, log, signing_key, n_jitter, compare):
+    """Every step of a deletion of ``subjects`` (id -> keyed hash) staged in ``txn``; their certificates' names."""
     t0 = time.perf_counter()
-    removed = rewrite_store(ws, txn, sid, subject_hash)
-    removed |= remove_stay_artifacts(ws, txn, sid, stay_files)
+    sids = frozenset(subjects)
+    removed = rewrite_store(ws, txn, subjects)
+    for sid, r in remove_stay_artifacts(ws, txn, stay_files).items():
+        removed[sid] |= r
     crash_point("staged_store")
-    run = derived.prepare(ws, txn, [sid]) if mode == "replay" else None
-    memories = rewrite_memories(ws, cfg, txn, sid, mode, n_jitter, scaler=run.index.scaling if run else None,
-                                compare=compare)
+    run = derived.prepare(ws, txn, sorted(sids)) if mode == "replay" else None
+    tokens, verification, digests = rewrite_memories(ws, cfg, txn, sids, mode, n_jitter,
+                                                     scaler=run.index.scaling if run else None, compare=compare)
     crash_point("staged_memories")
     recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn)) if run else []
-    residual = residual_scan(ws, txn, sid, stay_files)
-    if residual["rows_remaining"]:
-        raise DeletionFailed(f"post-deletion scan still finds the subject: {residual}")
-    cert = certificate(log, subject_hash, mode, removed, memories, residual, [] if run else stale_reports(ws),
-                       time.perf_counter() - t0, recomputed)
-    name = stage_certificate(ws, txn, log, signing_key, cert, cfg.small_cell_threshold)
+    residual = residual_scan(ws, txn, stay_files)
+    left = {subjects[sid][:12]: r for sid, r in residual.items() if r["rows_remaining"]}
+    if left:
+        raise DeletionFailed(f"post-deletion scan still finds subject(s) (by hash) {left}")
+    stale = [] if run else stale_reports(ws)
+    seconds = time.perf_counter() - t0
+    certs = [certificate(log, subjects[sid], mode, removed[sid],
+                         ({c: n[sid] for c, n in tokens.items()}, verification, digests), residual[sid], stale,
+                         seconds, recomputed, batch=len(sids)) for sid in sorted(sids)]
+    names = stage_certificates(ws, txn, log, signing_key, certs, cfg.small_cell_threshold)
     crash_point("staged_certificate")
-    return cert, name
+    return certs, names
 
 
-def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait_seconds: float = 0.0,
-                   budget_refit_probes: int = 64, compare_with_replay: bool = True) -> tuple | None:
-    """Delete one subject from the workspace; returns the certificate (dict) and its path.
-    ``compare_with_replay`` (decrement): measure the decremented memory's distance to a replay without the
-    subject (it costs that replay).
+def delete_subjects(ws: Workspace, subject_ids: list[int], mode: str = "decrement", wait_seconds: float = 0.0,
+                    budget_refit_probes: int = 64, compare_with_replay: bool = True) -> list[tuple[dict, Path]]:
+    """Delete several subjects from the workspace in one transaction (one store rewrite, one memory decrement or
+    replay, one recomputation for all); each gets a certificate and a log entry of their own, verifiable alone.
+    Returns (certificate, path) per subject, in ascending id order. ``compare_with_replay`` (decrement): measure
+    the decremented memory's distance to a replay without them (it costs that replay).
 
-    Raises UnknownSubjectError when the subject is not in the workspace (and was never deleted), AlreadyDeleted
-    when it was deleted before, WorkspaceLocked when a run holds the workspace, DeletionFailed when a check fails
-    (nothing is changed then).
+    All or nothing: raises UnknownSubjectError when a subject is not in the workspace (and was never deleted),
+    AlreadyDeleted when one was deleted before (the caller picks the rest, :func:`check_subjects`),
+    WorkspaceLocked when a run holds the workspace, DeletionFailed when a check fails; nothing is changed then.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    sid = int(subject_id)
+    sids = sorted({int(s) for s in subject_ids})
+    if not sids:
+        raise ValueError("no subject to delete")
     check_format(ws.store)
     with workspace_lock(ws.root, wait_seconds=wait_seconds, purpose=f"deletion ({mode})"):
         recover(ws.root)
-        subject_hash = keyed_hash(sid, store_key(ws.store, ws.root))
-        _, stay_files = check_subject(ws, sid)
+        key = store_key(ws.store, ws.root)
+        subjects = {sid: keyed_hash(sid, key) for sid in sids}
+        stay_files = {sid: check_subject(ws, sid)[1] for sid in sids}
         log, signing_key = read_log(ws.root), load_signing_key(ws.root)
         problems = log.problems + signer_problems(log, None, TrustAnchor(public_hex(signing_key), SIGNING_KEY_ENV))
         if problems:
@@ -86,14 +100,21 @@ def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait
                                  f"{'; '.join(problems)}")
         txn = Transaction(ws.root)
         try:
-            cert, name = _stage_deletion(ws, workspace_config(ws.root), txn, sid, subject_hash, stay_files, mode, log,
-                                         signing_key, budget_refit_probes, compare_with_replay)
+            certs, names = _stage_deletion(ws, workspace_config(ws.root), txn, subjects, stay_files, mode, log,
+                                           signing_key, budget_refit_probes, compare_with_replay)
         except BaseException:
             txn.abort()
             raise
         txn.commit()
         crash_point("committed")
-        after, _ = scan_subject(ws, sid)
-        if any(after.values()):
-            raise DeletionFailed(f"after commit the subject is still found: {after}")
-        return cert, ws.certificates / name
+        for sid in sids:
+            after, _ = scan_subject(ws, sid)
+            if any(after.values()):
+                raise DeletionFailed(f"after commit a subject (hash {subjects[sid][:12]}...) is still found: {after}")
+        return [(cert, ws.certificates / name) for cert, name in zip(certs, names)]
+
+
+def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait_seconds: float = 0.0,
+                   budget_refit_probes: int = 64, compare_with_replay: bool = True) -> tuple:
+    """Delete one subject (:func:`delete_subjects` of one): their certificate (dict) and its path."""
+    return delete_subjects(ws, [subject_id], mode, wait_seconds, budget_refit_probes, compare_with_replay)[0]

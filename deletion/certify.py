@@ -47,11 +47,14 @@ def scope(mode: str, recomputed: list) -> dict:
 
 
 def certificate(log: Log, subject_hash: str, mode: str, removed: dict, memories: tuple, residual: dict, stale: list,
-                seconds: float, recomputed: list = ()) -> dict:
-    """The certificate: only what was done and checked (``memories``: tokens, verification, digests;
-    ``recomputed``: what a replay recomputed without the patient)."""
+                seconds: float, recomputed: list = (), batch: int = 1) -> dict:
+    """The certificate of one patient: only what was done and checked (``memories``: their tokens per checkpoint,
+    the verification, the digests; ``recomputed``: what a replay recomputed without the patient). ``batch``: the
+    patients deleted in the same transaction (the memories' digests and checks are of that one change)."""
     tokens, verification, digests = memories
     return {"certificate_id": log.size, "subject_hash": subject_hash,
+            "deleted_together": {"patients": batch, "meaning": "deleted in one transaction; the memory digests "
+                                 "and refit checks are of that change, the removed counts this patient's"},
             "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
             "mode": mode, "mode_meaning": MODE_MEANING[mode],
             "removed": removed | {"cohort_memory_tokens": tokens}, "memory_digests": digests,
@@ -67,34 +70,41 @@ def stale_reports(ws: Workspace) -> list[str]:
     return [p.name for p in (ws.report_json, ws.report_html) if p.exists()]
 
 
-def _stamp_stale(ws, txn, stale, name) -> None:
+def _stamp_stale(ws, txn, stale, names) -> None:
+    said = (f"a patient was deleted after this report was computed (certificate {names[0]})" if len(names) == 1 else
+            f"{len(names)} patients were deleted after this report was computed (certificates {', '.join(names)})")
     if "report.json" in stale:
         rep = json.loads(ws.report_json.read_text())
-        rep["stale"] = {"reason": "a patient was deleted after this report was computed", "certificate": name}
+        rep["stale"] = {"reason": said, "certificates": names}
         txn.stage(ws.report_json).write_text(json.dumps(rep, indent=1, default=str))
     if "report.html" in stale:
-        banner = (f"<p style='background:#fde;border:2px solid #c00;padding:8px'><b>Stale:</b> a patient was "
-                  f"deleted after this report was computed (certificate {name}); the next scheduled run "
-                  f"regenerates it.</p>")
+        banner = (f"<p style='background:#fde;border:2px solid #c00;padding:8px'><b>Stale:</b> {said}; the next "
+                  f"scheduled run regenerates it.</p>")
         txn.stage(ws.report_html).write_text(ws.report_html.read_text().replace("<body>", "<body>" + banner, 1))
 
 
-def stage_certificate(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, cert: dict,
-                      small_cell_threshold: int) -> str:
-    """Stage the certificate, its page, its receipt, its log entry and the newly signed checkpoint; mark the
-    reports stale naming it. Returns the certificate's file name."""
-    name = f"{log.size:06d}.json"
-    if (ws.certificates / name).exists() or receipt_path(ws.certificates / name).exists():
-        # never overwrite another patient's certificate (read_log names a rolled-back log before this)
-        raise DeletionFailed(f"certificate {name} exists already but the log has {log.size} entries: the log was "
-                             f"rolled back; nothing is appended")
-    text, page = canonical(cert), render_certificate_html(cert, name, small_cell_threshold)
-    line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
-    txn.stage(ws.certificates / name).write_text(text)
-    txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)
-    txn.stage(receipt_path(ws.certificates / name)).write_text(receipt)
+def stage_certificates(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, certs: list[dict],
+                       small_cell_threshold: int) -> list[str]:
+    """Stage each certificate, its page, its receipt and its log entry, in order, and the newly signed checkpoint
+    after the last; mark the reports stale naming them. Returns the certificates' file names."""
+    names, lines = [], []
+    for cert in certs:
+        cert["certificate_id"], cert["log_size_before"], cert["log_root_before"] = log.size, log.size, log.root_hex()
+        name = f"{log.size:06d}.json"
+        if (ws.certificates / name).exists() or receipt_path(ws.certificates / name).exists():
+            # never overwrite another patient's certificate (read_log names a rolled-back log before this)
+            raise DeletionFailed(f"certificate {name} exists already but the log has {log.size} entries: the log "
+                                 f"was rolled back; nothing is appended")
+        text, page = canonical(cert), render_certificate_html(cert, name, small_cell_threshold)
+        line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
+        log.entries.append(json.loads(line))
+        txn.stage(ws.certificates / name).write_text(text)
+        txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)
+        txn.stage(receipt_path(ws.certificates / name)).write_text(receipt)
+        names.append(name)
+        lines.append(line)
     old = ws.ledger.read_text() if ws.ledger.exists() else ""
-    txn.stage(ws.ledger).write_text(old + line + "\n")
+    txn.stage(ws.ledger).write_text(old + "".join(f"{line}\n" for line in lines))
     txn.stage(ws.root / CHECKPOINT).write_text(checkpoint)
-    _stamp_stale(ws, txn, cert["artifacts_marked_stale"], name)
-    return name
+    _stamp_stale(ws, txn, certs[0]["artifacts_marked_stale"], names)
+    return names

@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 VERIFY_MAX_DEV = 1e-8
 
 
-def _subject_rows(ws, cfg, ckpt, sid, cache):
-    """The subject's rows as checkpoint ``ckpt`` was fed them (its stream mode and key statistics), read from
+def _subjects_rows(ws, cfg, ckpt, sids, cache):
+    """The subjects' rows as checkpoint ``ckpt`` was fed them (its stream mode and key statistics), read from
     the store before the deletion commits: (order keys, keys). ``cache``: by mode and key statistics."""
     mode = checkpoint_tokens(ckpt)
     stats = scaler_file(ckpt).read_bytes()
     if (mode, stats) not in cache:
-        cache[(mode, stats)] = CohortRows(ws, mode, load_scaler(ckpt), cfg).of_subject(sid)
+        cache[(mode, stats)] = CohortRows(ws, mode, load_scaler(ckpt), cfg).of_subjects(sids)
     return cache[(mode, stats)]
 
 
@@ -51,40 +51,42 @@ def _stage(txn, ckpt, cm):
     return staged
 
 
-def decrement(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, n_jitter: int,
-              compare: bool = True) -> tuple | None:
-    """Every checkpoint holding the subject's tokens, exactly decremented and verified; every checkpoint that
-    was fed their rows takes them out of its history digest. Returns (tokens removed, verification, digests)
-    per checkpoint."""
-    memories, verification, digests, rows_of, ref = {}, {}, {}, {}, owner(ws, sid)
+def decrement(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, n_jitter: int,
+              compare: bool = True) -> tuple:
+    """Every checkpoint holding the subjects' tokens, exactly decremented (all of them at once) and verified;
+    every checkpoint that was fed their rows takes them out of its history digest. Returns, per checkpoint, the
+    tokens removed of each subject, the verification and the digests before and after."""
+    memories, verification, digests, rows_of = {}, {}, {}, {}
+    refs = {owner(ws, sid): sid for sid in sids}
     ckpts = ws.checkpoints()
     for c in ckpts:
         cm = CohortMemory.load(c)
-        tokens = cm.tokens_of(ref)
-        order, keys = _subject_rows(ws, cfg, c, sid, rows_of)
-        if not tokens and not any(o <= cm.watermark for o in order):
+        tokens = {sid: cm.tokens_of(ref) for ref, sid in refs.items()}
+        every = [t for sid in sorted(tokens) for t in tokens[sid]]
+        order, keys = _subjects_rows(ws, cfg, c, sids, rows_of)
+        if not every and not any(o <= cm.watermark for o in order):
             continue
         cm.forget_history(order, keys)
-        if tokens:                                   # else: fed and evicted, only the digest changes
+        if every:                                    # else: fed and evicted, only the digest changes
             before = cm.memory.state_digest()
-            removed_keys = np.stack([cm.memory.key_of(t) for t in tokens])
+            removed_keys = np.stack([cm.memory.key_of(t) for t in every])
             try:
-                cm.memory.remove_many(tokens)
+                cm.memory.remove_many(every)
             except InfeasibleError as e:
                 raise DeletionFailed(f"checkpoint {c.name}: {e}; the fixed-C memory cannot lose that many tokens "
                                      f"by decrement -- use mode 'replay'") from None
-            memories[c.name] = len(tokens)
+            memories[c.name] = {sid: len(t) for sid, t in tokens.items()}
             digests[c.name] = {"before": before, "after": cm.memory.state_digest()}
             verification[c.name] = _verify(cm, removed_keys, n_jitter)
             if c == ckpts[-1]:
-                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, cfg, sid, cm, removed_keys) \
+                verification[c.name]["never_saw_difference"] = never_saw_difference(ws, cfg, sids, cm, removed_keys) \
                     if compare else {"not_measured": "asked not to (it costs a replay of the cohort memory)"}
         _stage(txn, c, cm)
     return memories, verification, digests
 
 
-def _replayed(ws: Workspace, cfg: CohortConfig, sid: int, scaler: TokenScaling | None) -> tuple:
-    """The latest checkpoint re-streamed without the subject, from the last checkpoint that never saw them
+def _replayed(ws: Workspace, cfg: CohortConfig, sids: frozenset, scaler: TokenScaling | None) -> tuple:
+    """The latest checkpoint re-streamed without the subjects, from the last checkpoint that saw none of them
     (or from empty): (checkpoints, the latest as it is, its stream mode, the scaling, the clean bases, the
     replayed memory)."""
     ckpts = ws.checkpoints()
@@ -93,32 +95,32 @@ def _replayed(ws: Workspace, cfg: CohortConfig, sid: int, scaler: TokenScaling |
     hourly = tokens is StreamMode.HOURLY
     scaler = scaler if scaler is not None and hourly else load_scaler(ckpts[-1])
     rows = CohortRows(ws, tokens, scaler, cfg)
-    own, _ = rows.of_subject(sid)
+    own, _ = rows.of_subjects(sids)
     first = min(own) if own else None
-    # the checkpoints that saw the subject: their watermark is at or past the subject's first event; a
+    # the checkpoints that saw a subject: their watermark is at or past the subjects' first event; a
     # checkpoint of the other stream mode is never a replay base, nor one keyed under other scaling
     same_keys = [c for c in ckpts if checkpoint_tokens(c) is tokens and
                  (not hourly or load_scaler(c).as_dict() == scaler.as_dict())]
     clean = [c for c in same_keys if first is None or CohortMemory.load(c).watermark < first]
     base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
                                                                    gamma=latest.gamma, nu=latest.policy.nu)
-    rows.feed(base, upto=latest.watermark, exclude=frozenset({sid}))
+    rows.feed(base, upto=latest.watermark, exclude=frozenset(sids))
     return ckpts, latest, tokens, scaler, clean, base
 
 
-def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, n_jitter: int,
+def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, n_jitter: int,
            scaler: TokenScaling | None = None) -> tuple:
-    """Re-stream the cohort memory without the subject from the last checkpoint that never saw them; hourly
-    tokens under ``scaler`` when given (token scaling recomputed without the subject), else under the scaling
+    """Re-stream the cohort memory without the subjects from the last checkpoint that saw none of them; hourly
+    tokens under ``scaler`` when given (token scaling recomputed without the subjects), else under the scaling
     persisted with the memory."""
     if not ws.checkpoints():
         return {}, {}, {}
-    ckpts, latest, tokens, scaler, clean, base = _replayed(ws, cfg, sid, scaler)
-    ref = owner(ws, sid)
+    ckpts, latest, tokens, scaler, clean, base = _replayed(ws, cfg, sids, scaler)
+    refs = {owner(ws, sid): sid for sid in sids}
     before = latest.memory.state_digest()
-    # the other mode's checkpoints are history: removed only where they hold the subject
+    # the other mode's checkpoints are history: removed only where they hold a subject
     tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) is tokens or
-                                                       CohortMemory.load(c).tokens_of(ref))]
+                                                       any(CohortMemory.load(c).tokens_of(r) for r in refs))]
     for c in tainted:
         txn.delete(c)
     target = ckpts[-1]
@@ -126,16 +128,16 @@ def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, n_jitte
     verification = {target.name: _verify(base, None, n_jitter)}
     verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
     verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
-    return ({target.name: len(latest.tokens_of(ref))}, verification,
+    return ({target.name: {sid: len(latest.tokens_of(ref)) for ref, sid in refs.items()}}, verification,
             {target.name: {"before": before, "after": base.memory.state_digest()}})
 
 
-def never_saw_difference(ws: Workspace, cfg: CohortConfig, sid: int, decremented: CohortMemory,
+def never_saw_difference(ws: Workspace, cfg: CohortConfig, sids: frozenset, decremented: CohortMemory,
                          removed_keys: np.ndarray) -> dict:
-    """How far the decremented latest checkpoint is from the memory a replay without the subject gives: the
+    """How far the decremented latest checkpoint is from the memory a replay without the subjects gives: the
     tokens only one of them holds, and the deviation of their decision functions on probe queries (every
-    token key either holds, and the subject's removed keys)."""
-    *_, replayed = _replayed(ws, cfg, sid, None)
+    token key either holds, and the subjects' removed keys)."""
+    *_, replayed = _replayed(ws, cfg, sids, None)
     a, b = set(decremented.memory.token_ids()), set(replayed.memory.token_ids())
     probes = [decremented.memory.key_of(t) for t in a] + [replayed.memory.key_of(t) for t in b]
     probes = np.vstack(probes + ([removed_keys] if len(removed_keys) else [])) if probes else np.empty((0, 0))
@@ -158,12 +160,12 @@ def replayed_memory_info(ws: Workspace, txn: Transaction) -> dict | None:
                        {"checked": False, "replayed_without_a_deleted_patient": True})
 
 
-def rewrite_memories(ws: Workspace, cfg: CohortConfig, txn: Transaction, sid: int, mode: str, n_jitter: int,
+def rewrite_memories(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, mode: str, n_jitter: int,
                      scaler: TokenScaling | None = None, compare: bool = True) -> tuple[dict, dict, dict]:
     """The cohort memory without the subject: ``decrement`` (``compare``: measure its distance to a replay) or
     ``replay`` (under ``scaler`` when the deletion recomputed the token scaling)."""
-    memories, verification, digests = decrement(ws, cfg, txn, sid, n_jitter, compare) if mode == "decrement" else \
-        replay(ws, cfg, txn, sid, n_jitter, scaler)
+    memories, verification, digests = decrement(ws, cfg, txn, sids, n_jitter, compare) if mode == "decrement" else \
+        replay(ws, cfg, txn, sids, n_jitter, scaler)
     failed = [n for n, v in verification.items() if not v["passed"]]
     if failed:
         raise DeletionFailed(f"refit verification failed for cohort memory checkpoint(s) {failed}: "

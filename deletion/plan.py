@@ -11,7 +11,7 @@ from memory.cohort import CohortMemory
 from pipeline.evidence import read_json_object, read_log
 from pipeline.extract import UnknownSubjectError
 from pipeline.extract_rules import sql_literal
-from pipeline.meds import shard_files, shard_of
+from pipeline.meds import quarantine_files, shard_files, shard_of, stays_path
 from pipeline.privacy import keyed_hash, store_key, subject_ref, suppressed_hashes
 
 if TYPE_CHECKING:
@@ -74,6 +74,19 @@ def check_subject(ws: Workspace, subject_id: int) -> tuple | None:
     raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
 
 
+def check_subjects(ws: Workspace, subject_ids: list[int]) -> dict[int, str | None]:
+    """Per subject, why they cannot be deleted (unknown to the workspace, or deleted before, with the
+    certificate), or None when the workspace holds them. Read-only, as :func:`check_subject`."""
+    out = {}
+    for sid in sorted({int(s) for s in subject_ids}):
+        try:
+            check_subject(ws, sid)
+            out[sid] = None
+        except (AlreadyDeleted, UnknownSubjectError) as e:
+            out[sid] = str(e)
+    return out
+
+
 def certificate_of(ws: Workspace, subject_hash: str) -> str | None:
     """The name of the certificate issued for ``subject_hash``, or None."""
     for entry in read_log(ws.root).entries:
@@ -83,28 +96,38 @@ def certificate_of(ws: Workspace, subject_hash: str) -> str | None:
     return None
 
 
-def resolve_subject(ws: Workspace, subject_hash: str) -> int:
-    """The subject id behind a keyed hash, found by hashing the store's subject ids, so that a deletion
-    request can travel (through Prefect's database, logs and results) as the hash alone.
-
-    Raises AlreadyDeleted for a deleted subject's hash and UnknownSubjectError (naming only the hash) for a
-    hash no stored subject has."""
+def resolve_subjects(ws: Workspace, subject_hashes: list[str]) -> dict[str, int | Exception]:
+    """Per keyed hash, the subject id behind it, found by hashing the store's subject ids once, so that deletion
+    requests can travel (through Prefect's database, logs and results) as hashes alone; for a hash no stored
+    subject has, AlreadyDeleted (a deleted subject's) or UnknownSubjectError (naming only the hash)."""
     if not ws.store.exists():
         raise UnknownSubjectError(f"workspace {ws.root} has no event store")
     key = store_key(ws.store, ws.root)
-    files = [f for f in [ws.store / "stays.parquet", *shard_files(ws.store),
-                         *sorted((ws.store / "quarantine").glob("*.parquet"))] if f.exists()]
+    files = [f for f in [stays_path(ws.store), *shard_files(ws.store), *quarantine_files(ws.store)] if f.exists()]
     # DuckDB's distinct streams the column: the store's hundreds of millions of rows are never held at once
     sources = ", ".join(map(sql_literal, files))
     ids = [r[0] for r in duckdb.sql(f"SELECT DISTINCT subject_id FROM read_parquet([{sources}], union_by_name = true) "
                                     f"WHERE subject_id IS NOT NULL").fetchall()] if files else []
-    match = [s for s in ids if keyed_hash(int(s), key) == subject_hash]
-    if match:
-        return int(match[0])
-    cert = certificate_of(ws, subject_hash)
-    if cert or subject_hash in suppressed_hashes(ws.store):
-        raise AlreadyDeleted(f"subject (hash {subject_hash[:12]}...) was already deleted; certificate {cert}")
-    raise UnknownSubjectError(f"no subject with keyed hash {subject_hash[:12]}... is in the workspace {ws.root}")
+    wanted = set(subject_hashes)
+    found = {h: int(s) for s in ids if (h := keyed_hash(int(s), key)) in wanted}
+    out = {}
+    for h in subject_hashes:
+        if h in found:
+            out[h] = found[h]
+            continue
+        cert = certificate_of(ws, h)
+        out[h] = AlreadyDeleted(f"subject (hash {h[:12]}...) was already deleted; certificate {cert}") \
+            if cert or h in suppressed_hashes(ws.store) else \
+            UnknownSubjectError(f"no subject with keyed hash {h[:12]}... is in the workspace {ws.root}")
+    return out
+
+
+def resolve_subject(ws: Workspace, subject_hash: str) -> int:
+    """The subject id behind one keyed hash (:func:`resolve_subjects`); raises what it reports for it."""
+    found = resolve_subjects(ws, [subject_hash])[subject_hash]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def scored_subjects(ws: Workspace) -> list[int]:

@@ -1,4 +1,4 @@
-"""Step: scan the workspace as it will be after commit (staged files, plus unchanged ones) for the subject."""
+"""Step: scan the workspace as it will be after commit (staged files, plus unchanged ones) for the subjects."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from memory.cohort import CohortMemory, owner_of
-from pipeline.meds import shard_files, subject_splits_path
+from pipeline.meds import quarantine_files, shard_files, stays_path, subject_splits_path
 
 from .plan import owner
 from .store import label_files, read_source, source_files
@@ -20,31 +20,42 @@ SCANNED = ["events", "quarantine", "stays", "per_stay_results", "labels", "cohor
            "per_stay_memories", "generated_source", "extraction_scratch"]
 
 
-def _rows_in(path, sid, ref) -> int:
-    """The subject's rows in a parquet file naming them by id, or by keyed reference (the per-stay results)."""
+def _rows_in(path, refs: dict[str, int]) -> dict[int, int]:
+    """Each subject's rows in a parquet file naming them by id, or by keyed reference (the per-stay results)."""
     frame = pl.scan_parquet(path)
-    mine = pl.col("subject_ref") == ref if "subject_ref" in frame.collect_schema().names() else \
-        pl.col("subject_id") == sid
-    return frame.filter(mine).select(pl.len()).collect().item()
+    by_ref = "subject_ref" in frame.collect_schema().names()
+    column, keys = ("subject_ref", list(refs)) if by_ref else ("subject_id", list(refs.values()))
+    found = (frame.filter(pl.col(column).is_in(pl.Series(keys).implode())).group_by(column).len().collect())
+    return {(refs[k] if by_ref else int(k)): int(n) for k, n in found.iter_rows()}
 
 
-def residual_scan(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -> dict:
+def residual_scan(ws: Workspace, txn: Transaction, stay_files: dict[int, list]) -> dict[int, dict]:
+    """Per subject (``stay_files``: their stays' memory files), the rows of theirs the workspace will still hold
+    after commit, in every place a deletion changes: one pass over each file for every subject."""
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
     deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
-    rows, ref = sum(1 for p in stay_files if str(p) not in deleted), owner(ws, sid)
-    for f in [*shard_files(ws.store), *(ws.store / "quarantine").glob("*.parquet"), ws.store / "stays.parquet",
-              ws.results, *label_files(ws), subject_splits_path(ws.store)]:
+    refs = {owner(ws, sid): sid for sid in stay_files}
+    rows = {sid: sum(1 for p in files if str(p) not in deleted) for sid, files in stay_files.items()}
+
+    def add(found: dict[int, int]) -> None:
+        for sid, n in found.items():
+            rows[sid] += n
+    for f in [*shard_files(ws.store), *quarantine_files(ws.store), stays_path(ws.store), ws.results,
+              *label_files(ws), subject_splits_path(ws.store)]:
         if str(f) not in deleted and f.exists():
-            rows += _rows_in(staged.get(str(f), f), sid, ref)
-    for final, src in staged.items():
-        if Path(src).is_dir() and (Path(src) / "memory.npz").exists():
-            rows += sum(1 for t in CohortMemory.load(src).memory.token_ids() if owner_of(t) == ref)
-    for c in ws.checkpoints():
-        if str(c) not in deleted and str(c) not in staged:
-            rows += len(CohortMemory.load(c).tokens_of(ref))
+            add(_rows_in(staged.get(str(f), f), refs))
+    memories = [CohortMemory.load(src) for src in staged.values()
+                if Path(src).is_dir() and (Path(src) / "memory.npz").exists()]
+    memories += [CohortMemory.load(c) for c in ws.checkpoints() if str(c) not in deleted and str(c) not in staged]
+    for cm in memories:
+        for t in cm.memory.token_ids():
+            if owner_of(t) in refs:
+                rows[refs[owner_of(t)]] += 1
     for f in source_files(ws):
         frame = read_source(staged.get(str(f), f))
-        rows += int((frame["subject_id"] == str(sid)).sum()) if "subject_id" in frame.columns else 0
+        if "subject_id" in frame.columns:
+            ids = frame["subject_id"].value_counts()
+            add({int(i): int(n) for i, n in ids.iter_rows() if i is not None and i.isdigit() and int(i) in rows})
     # a scratch database may hold any patient's rows: it must be gone
-    rows += sum(1 for f in (ws.store / ".work").glob("extract.duckdb*") if str(f) not in deleted)
-    return {"rows_remaining": int(rows), "scanned": list(SCANNED)}
+    scratch = sum(1 for f in (ws.store / ".work").glob("extract.duckdb*") if str(f) not in deleted)
+    return {sid: {"rows_remaining": int(n + scratch), "scanned": list(SCANNED)} for sid, n in rows.items()}

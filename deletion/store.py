@@ -10,8 +10,9 @@ import duckdb
 import polars as pl
 
 from pipeline.extract_rules import N_BUCKETS, sql_literal
-from pipeline.meds import (codes_metadata_path, read_codes_metadata, shard_files, shard_of, subject_splits_path,
-                           write_codes_metadata, write_label_file, write_shard, write_subject_splits)
+from pipeline.meds import (codes_metadata_path, quarantine_files, read_codes_metadata, shard_files, shard_of,
+                           stays_path, subject_splits_path, write_codes_metadata, write_label_file, write_shard,
+                           write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
 
 from .plan import owner
@@ -25,44 +26,57 @@ def write_staged_parquet(txn: Transaction, frame: pl.DataFrame, final: Path) -> 
     frame.write_parquet(txn.stage(final))
 
 
-def _events(ws, txn, sid) -> dict:
-    """The subject's shard rewritten without them, streamed by DuckDB (a shard is already sorted, so the kept
-    rows stay a valid MEDS shard); the events removed per table."""
-    shard = shard_of(ws.store, sid)
-    if not shard.exists():
-        return {}
-    con = duckdb.connect()
-    try:
-        src = f"read_parquet({sql_literal(shard)})"
-        removed = {t: int(n) for t, n in con.execute(f"SELECT source_table, count(*) FROM {src} WHERE subject_id = ? "
-                                                     f"GROUP BY ALL", [sid]).fetchall()}
-        if con.execute(f"SELECT count(*) FROM {src} WHERE subject_id <> ?", [sid]).fetchall()[0][0]:
-            write_shard(con, f"SELECT * FROM {src} WHERE subject_id <> ?", txn.stage(shard), [sid])
-        else:
-            txn.delete(shard)
-    finally:
-        con.close()
+def _per_subject(frame: pl.DataFrame, sids: list[int], column: str = "subject_id") -> dict[int, int]:
+    """Rows of each subject in ``frame`` (its ``column`` holds their ids)."""
+    counts = frame.group_by(column).len() if frame.height else None
+    found = dict(counts.iter_rows()) if counts is not None else {}
+    return {sid: int(found.get(sid, 0)) for sid in sids}
+
+
+def _events(ws, txn, sids) -> dict[int, dict]:
+    """Each subject's shard rewritten without the deleted subjects, streamed by DuckDB (a shard is already sorted,
+    so the kept rows stay a valid MEDS shard); per subject, the events removed per table."""
+    removed = {sid: {} for sid in sids}
+    for shard in sorted({shard_of(ws.store, sid) for sid in sids}):
+        if not shard.exists():
+            continue
+        con = duckdb.connect()
+        try:
+            src, gone = f"read_parquet({sql_literal(shard)})", sorted(sids)
+            for sid, table, n in con.execute(f"SELECT subject_id, source_table, count(*) FROM {src} WHERE "
+                                             f"list_contains(?, subject_id) GROUP BY ALL", [gone]).fetchall():
+                removed[int(sid)][table] = int(n)
+            keep = f"SELECT * FROM {src} WHERE NOT list_contains(?, subject_id)"
+            if con.execute(f"SELECT count(*) FROM ({keep})", [gone]).fetchall()[0][0]:
+                write_shard(con, keep, txn.stage(shard), [gone])
+            else:
+                txn.delete(shard)
+        finally:
+            con.close()
     return removed
 
 
-def _quarantine(ws, txn, sid) -> int:
-    removed = 0
-    for q in sorted((ws.store / "quarantine").glob("*.parquet")):
+def _without(frame: pl.DataFrame, sids: list[int], column: str = "subject_id") -> pl.DataFrame:
+    return frame.filter(~pl.col(column).is_in(pl.Series(sids, dtype=frame.schema[column]).implode()))
+
+
+def _quarantine(ws, txn, sids) -> dict[int, int]:
+    removed = dict.fromkeys(sids, 0)
+    for q in quarantine_files(ws.store):
         qf = pl.read_parquet(q)
-        n = qf.filter(pl.col("subject_id") == sid).height
-        if n:
-            removed += n
-            write_staged_parquet(txn, qf.filter(pl.col("subject_id") != sid), q)
+        found = _per_subject(qf, sids)
+        if any(found.values()):
+            removed = {sid: removed[sid] + found[sid] for sid in sids}
+            write_staged_parquet(txn, _without(qf, sids), q)
     return removed
 
 
-def _codes(ws, txn, sid) -> None:
+def _codes(ws, txn) -> None:
     """Recount the codes metadata over the store as it will be (descriptions and parent codes kept; a code
-    only the subject had leaves it); DuckDB aggregates the shards without holding them."""
-    shard = shard_of(ws.store, sid)
+    only deleted subjects had leaves it); DuckDB aggregates the shards without holding them."""
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
-    files = [staged.get(str(f), f) for f in shard_files(ws.store)]
-    files = [f for f in files if f != shard or str(shard) in staged]
+    deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
+    files = [staged.get(str(f), f) for f in shard_files(ws.store) if str(f) not in deleted]
     old = read_codes_metadata(ws.store)
     if not files or old is None:
         return
@@ -78,15 +92,15 @@ def label_files(ws: Workspace) -> list[Path]:
     return sorted(ws.labels.glob("*.parquet")) if ws.labels.exists() else []
 
 
-def _labels(ws, txn, sid) -> int:
-    """The label files rewritten without the subject; the rows removed."""
-    removed = 0
+def _labels(ws, txn, sids) -> dict[int, int]:
+    """The label files rewritten without the subjects; per subject, the rows removed."""
+    removed = dict.fromkeys(sids, 0)
     for f in label_files(ws):
         frame = pl.read_parquet(f)
-        n = frame.filter(pl.col("subject_id") == sid).height
-        if n:
-            removed += n
-            write_label_file(frame.filter(pl.col("subject_id") != sid), txn.stage(f))
+        found = _per_subject(frame, sids)
+        if any(found.values()):
+            removed = {sid: removed[sid] + found[sid] for sid in sids}
+            write_label_file(_without(frame, sids), txn.stage(f))
     return removed
 
 
@@ -99,65 +113,72 @@ def read_source(path: Path) -> pl.DataFrame:
     return pl.read_csv(path, infer_schema=False)     # every field as text: rewritten rows keep their content
 
 
-def _source(ws, txn, sid) -> int:
-    """The workspace's generated source rewritten without the subject; the rows removed."""
-    removed = 0
+def _source(ws, txn, sids) -> dict[int, int]:
+    """The workspace's generated source rewritten without the subjects; per subject, the rows removed."""
+    removed = dict.fromkeys(sids, 0)
     for f in source_files(ws):
         frame = read_source(f)
         if "subject_id" not in frame.columns:
             continue
-        mine = frame["subject_id"] == str(sid)
-        n = int(mine.sum())
-        if n:
-            removed += n
-            data = frame.filter(~mine).write_csv().encode()
+        found = _per_subject(frame, [str(sid) for sid in sids])
+        if any(found.values()):
+            removed = {sid: removed[sid] + found[str(sid)] for sid in sids}
+            data = _without(frame, [str(sid) for sid in sids]).write_csv().encode()
             txn.stage(f).write_bytes(gzip.compress(data, mtime=0) if f.name.endswith(".gz") else data)
     return removed
 
 
-def rewrite_store(ws: Workspace, txn: Transaction, sid: int, subject_hash: str) -> dict:
-    """Events, quarantine, generated source, stays, code counts and split without the subject; the subject's hash on
-    the suppression list; the store's generation bumped (no cache over the old content is reused)."""
-    removed = {}
-    removed["events_by_table"] = _events(ws, txn, sid)
-    removed["quarantine_rows"] = _quarantine(ws, txn, sid)
-    removed["source_rows"] = _source(ws, txn, sid)
+def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> dict[int, dict]:
+    """Events, quarantine, generated source, stays, code counts and split without the subjects (``subjects``:
+    id -> keyed hash); their hashes on the suppression list; the store's generation bumped once (no cache over
+    the old content is reused). Per subject, what was removed."""
+    sids = sorted(subjects)
+    events, quarantine, source = _events(ws, txn, sids), _quarantine(ws, txn, sids), _source(ws, txn, sids)
     for scratch in (ws.store / ".work").glob("extract.duckdb*"):     # earlier versions' scratch tables
         txn.delete(scratch)
-    stays = pl.read_parquet(ws.store / "stays.parquet")
-    removed["stays"] = stays.filter(pl.col("subject_id") == sid).height
-    write_staged_parquet(txn, stays.filter(pl.col("subject_id") != sid), ws.store / "stays.parquet")
-    _codes(ws, txn, sid)
+    stays = pl.read_parquet(stays_path(ws.store))
+    in_stays = _per_subject(stays, sids)
+    write_staged_parquet(txn, _without(stays, sids), stays_path(ws.store))
+    _codes(ws, txn)
     splits = subject_splits_path(ws.store)
     if splits.exists():
-        frame = pl.read_parquet(splits)
-        write_subject_splits(txn.stage(splits), frame.filter(pl.col("subject_id") != sid))
-    txn.stage(ws.store / SUPPRESSED_FILE).write_text(json.dumps(sorted(suppressed_hashes(ws.store) | {subject_hash})))
+        write_subject_splits(txn.stage(splits), _without(pl.read_parquet(splits), sids))
+    hashes = suppressed_hashes(ws.store) | set(subjects.values())
+    txn.stage(ws.store / SUPPRESSED_FILE).write_text(json.dumps(sorted(hashes)))
     txn.stage(ws.generation_file).write_text(json.dumps({"generation": ws.generation() + 1}))
-    return removed
+    return {sid: {"events_by_table": events[sid], "quarantine_rows": quarantine[sid], "source_rows": source[sid],
+                  "stays": in_stays[sid]} for sid in sids}
 
 
-def remove_stay_artifacts(ws: Workspace, txn: Transaction, sid: int, stay_files: list) -> dict:
-    """Per-stay results and memories (they hold only this patient); the learned-key encoder, trained on the
-    training split and so possibly on this patient (the next run retrains it)."""
-    removed = {"label_rows": _labels(ws, txn, sid)}
+def remove_stay_artifacts(ws: Workspace, txn: Transaction, stay_files: dict[int, list]) -> dict[int, dict]:
+    """Per-stay results and memories (each holds one patient); the learned-key encoder, trained on the training
+    split and so possibly on these patients (the next run retrains it). ``stay_files``: per subject, their stays'
+    memory files. Per subject, what was removed."""
+    sids = sorted(stay_files)
+    labels = _labels(ws, txn, sids)
+    results = dict.fromkeys(sids, 0)
     if ws.results.exists():
-        mine = pl.col("subject_ref") == owner(ws, sid)
+        refs = {owner(ws, sid): sid for sid in sids}
         res = pl.scan_parquet(ws.results)
-        removed["per_stay_result_rows"] = int(res.filter(mine).select(pl.len()).collect().item())
+        mine = pl.col("subject_ref").is_in(pl.Series(list(refs), dtype=pl.String).implode())
+        for ref, n in res.filter(mine).group_by("subject_ref").len().collect().iter_rows():
+            results[refs[ref]] = int(n)
         res.filter(~mine).sink_parquet(txn.stage(ws.results))
-    # The per-stay caches are keyed by content, not by patient: the subject's whole shard of them goes (the
+    # The per-stay caches are keyed by content, not by patient: each subject's whole shard of them goes (the
     # next run recomputes that shard's stays), so nothing computed from their rows survives in the cache.
-    shard = int(sid) % N_BUCKETS
-    dropped = [d for d in sorted(ws.cache.glob(f"*/{shard}")) + sorted(ws.cache.glob(f"*/{shard}.json"))
-               if d.exists()]
-    for d in dropped:
+    dropped = {}
+    for sid in sids:
+        shard = int(sid) % N_BUCKETS
+        dropped[sid] = [d for d in sorted(ws.cache.glob(f"*/{shard}")) + sorted(ws.cache.glob(f"*/{shard}.json"))
+                        if d.exists()]
+    for d in sorted({d for ds in dropped.values() for d in ds}):
         txn.delete(d)
-    removed["cache_shard_entries"] = len(dropped)
-    removed["per_stay_memories"] = len(stay_files)
-    for p in stay_files:
+    for p in (p for files in stay_files.values() for p in files):
         txn.delete(p)
-    if ws.encoder.exists():
+    encoder = ws.encoder.exists()
+    if encoder:
         txn.delete(ws.encoder)
-        removed["learned_key_encoder"] = "deleted; retrained by the next scheduled run"
-    return removed
+    return {sid: {"label_rows": labels[sid], "per_stay_result_rows": results[sid],
+                  "cache_shard_entries": len(dropped[sid]), "per_stay_memories": len(stay_files[sid]),
+                  **({"learned_key_encoder": "deleted; retrained by the next scheduled run"} if encoder else {})}
+            for sid in sids}

@@ -34,6 +34,40 @@ def _version():
         return "unknown"
 
 
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a run (run, serve): the cohort config and the run parameters (:class:`RunParams`)."""
+    p.add_argument("--out", default="out", help="workspace folder")
+    p.add_argument("--source", default=None,
+                   help=f"MIMIC-IV directory or MEDS dataset (default: {LAST_RUN} the embedded deterministic "
+                        f"MIMIC-IV-shaped data)")
+    p.add_argument("--config", default=None,
+                   help="cohort config: a shipped name (default, mimic-iv-meds) or a YAML path; it becomes the "
+                        "workspace's (default: the workspace's own, else the shipped default)")
+    p.add_argument("--tokens", choices=[m.value for m in StreamMode], default=None,
+                   help=f"stream hourly patient-state tokens or raw events (default: {LAST_RUN} "
+                        f"{DEFAULTS.tokens})")
+    p.add_argument("--budgets", type=_budgets, default=None,
+                   help=f"fixed memory budgets, comma-separated (default: {LAST_RUN} "
+                        f"{','.join(map(str, DEFAULTS.budgets))})")
+    p.add_argument("--fractions", type=_fractions, default=None,
+                   help=f"budgets as fractions of each stream, comma-separated, capped at the largest budget "
+                        f"(default: {LAST_RUN} {','.join(map(str, DEFAULTS.fractions))})")
+    p.add_argument("--max-events", type=int, default=None,
+                   help=f"keep the first N events of each stay, events mode (default: {LAST_RUN} all)")
+    p.add_argument("--cohort-budget", type=int, default=None,
+                   help=f"budget of the cohort memory (default: {LAST_RUN} {DEFAULTS.cohort_budget})")
+    p.add_argument("--task-runner", choices=TASK_RUNNERS, default=None,
+                   help=f"where per-stay scoring runs (default: {LAST_RUN} {DEFAULTS.task_runner})")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"task-runner workers (default: {LAST_RUN} the CPU count)")
+    p.add_argument("--encoder-steps", type=int, default=None,
+                   help=f"learned-key encoder training steps, events mode only, 0: off (default: {LAST_RUN} "
+                        f"{DEFAULTS.encoder_steps})")
+    p.add_argument("--memory-limit", default=None,
+                   help=f"DuckDB memory limit of the extraction (default: {LAST_RUN} "
+                        f"pipeline.extract.DEFAULT_MEMORY_LIMIT)")
+
+
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default, except None: such an option says in its help what not giving it means."""
 
@@ -60,40 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("run", "main job: ingest -> both protocols -> cohort memory -> HTML report"),
                         ("serve", "register the scheduled run with a cron schedule and serve it")):
         p = sub.add_parser(name, help=help_, formatter_class=fmt)
-        p.add_argument("--out", default="out", help="workspace folder")
-        p.add_argument("--source", default=None,
-                       help=f"MIMIC-IV directory or MEDS dataset (default: {LAST_RUN} the embedded deterministic "
-                            f"MIMIC-IV-shaped data)")
-        p.add_argument("--config", default=None,
-                       help="cohort config: a shipped name (default, mimic-iv-meds) or a YAML path; it becomes the "
-                            "workspace's (default: the workspace's own, else the shipped default)")
-        p.add_argument("--tokens", choices=[m.value for m in StreamMode], default=None,
-                       help=f"stream hourly patient-state tokens or raw events (default: {LAST_RUN} "
-                            f"{DEFAULTS.tokens})")
-        p.add_argument("--budgets", type=_budgets, default=None,
-                       help=f"fixed memory budgets, comma-separated (default: {LAST_RUN} "
-                            f"{','.join(map(str, DEFAULTS.budgets))})")
-        p.add_argument("--fractions", type=_fractions, default=None,
-                       help=f"budgets as fractions of each stream, comma-separated, capped at the largest budget "
-                            f"(default: {LAST_RUN} {','.join(map(str, DEFAULTS.fractions))})")
-        p.add_argument("--max-events", type=int, default=None,
-                       help=f"keep the first N events of each stay, events mode (default: {LAST_RUN} all)")
-        p.add_argument("--cohort-budget", type=int, default=None,
-                       help=f"budget of the cohort memory (default: {LAST_RUN} {DEFAULTS.cohort_budget})")
-        p.add_argument("--task-runner", choices=TASK_RUNNERS, default=None,
-                       help=f"where per-stay scoring runs (default: {LAST_RUN} {DEFAULTS.task_runner})")
-        p.add_argument("--workers", type=int, default=None,
-                       help=f"task-runner workers (default: {LAST_RUN} the CPU count)")
-        p.add_argument("--encoder-steps", type=int, default=None,
-                       help=f"learned-key encoder training steps, events mode only, 0: off (default: {LAST_RUN} "
-                            f"{DEFAULTS.encoder_steps})")
-        p.add_argument("--memory-limit", default=None,
-                       help=f"DuckDB memory limit of the extraction (default: {LAST_RUN} "
-                            f"pipeline.extract.DEFAULT_MEMORY_LIMIT)")
+        _add_run_options(p)
     sub.choices["serve"].add_argument("--cron", default=DEFAULT_CRON, help="cron schedule")
-    de = sub.add_parser("delete", help="delete one patient, with a deletion certificate", formatter_class=fmt)
+    de = sub.add_parser("delete", help="delete patients, one or a batch in one transaction, a deletion certificate "
+                                       "each", formatter_class=fmt)
     de.add_argument("--out", default="out", help="workspace folder")
-    de.add_argument("--subject-id", type=int, required=True, help="the patient's subject_id")
+    de.add_argument("--subject-id", type=int, action="append", default=None,
+                    help="a patient's subject_id (repeat it for several)")
+    de.add_argument("--subjects-file", type=Path, default=None,
+                    help="a file of subject_ids, one a line (blank lines and lines starting with # are skipped)")
+    de.add_argument("--skip-unknown", action="store_true",
+                    help="delete the rest when some ids are unknown or deleted before (each is reported); without "
+                         "it such an id refuses the whole request")
     de.add_argument("--mode", choices=("decrement", "replay"), default="decrement",
                     help="cohort memory: exact decrement, or re-stream without the patient")
     de.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a running scheduled run")
@@ -158,11 +170,51 @@ def _preflight(args):
         load_config(resolve_config(args.config))
         _check_meds_codes(args, ws)
     elif args.cmd == "delete":
-        from deletion import check_subject
         from pipeline.evidence import load_signing_key
         from pipeline.workspace import Workspace
-        check_subject(Workspace(args.out), args.subject_id)
+        args.subject_ids = _deletable(args, Workspace(args.out))
         load_signing_key(Workspace(args.out).root)
+
+
+def _requested_ids(args) -> list[int]:
+    """The subject ids of a delete command: each --subject-id, then each line of --subjects-file."""
+    ids = list(args.subject_id or [])
+    if args.subjects_file is not None:
+        try:
+            lines = args.subjects_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"--subjects-file {args.subjects_file} cannot be read: {why}") from None
+        for n, line in enumerate(lines, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            if not text.isdigit():
+                raise ValueError(f"--subjects-file {args.subjects_file}, line {n}: {text[:40]!r} is not a subject_id "
+                                 f"(one integer a line)")
+            ids.append(int(text))
+    if not ids:
+        raise ValueError("delete needs --subject-id (repeatable) or --subjects-file")
+    return sorted(set(ids))
+
+
+def _deletable(args, ws) -> list[int]:
+    """The requested subjects the workspace holds. One that it does not (unknown, or deleted before) is named,
+    with why, and refuses the request unless --skip-unknown; when none is left because every one was deleted
+    before, AlreadyDeleted (nothing to do, exit 0)."""
+    from deletion import AlreadyDeleted, check_subjects
+    status = check_subjects(ws, _requested_ids(args))
+    left = [sid for sid, why in status.items() if why is None]
+    skipped = {sid: why for sid, why in status.items() if why is not None}
+    if skipped and not left and all("already deleted" in why for why in skipped.values()):
+        raise AlreadyDeleted("; ".join(skipped.values()))
+    if skipped and not (args.skip_unknown and left):
+        listed = "; ".join(f"subject {sid}: {why}" for sid, why in skipped.items())
+        raise ValueError(f"{len(skipped)} of {len(status)} subject(s) cannot be deleted, so none is (--skip-unknown "
+                         f"deletes the rest): {listed}")
+    for sid, why in skipped.items():
+        print(f"forgetful: skipped subject {sid}: {why}", file=sys.stderr)
+    return left
 
 
 def _check_meds_codes(args, ws) -> None:
@@ -268,22 +320,26 @@ def _verify(args):
 
 def _delete(args, server):
     from flows.api_server import shared_api_server
-    from flows.prefect_flows import delete_patient, refusal_reason
+    from flows.prefect_flows import delete_patients, refusal_reason
     from pipeline.privacy import keyed_hash, store_key
     from pipeline.workspace import Workspace
     ws = Workspace(args.out)
-    # the raw id stays in this process: the flow (and Prefect's database) gets the keyed hash
-    subject_hash = keyed_hash(args.subject_id, store_key(ws.store, ws.root))
+    # the raw ids stay in this process: the flow (and Prefect's database) gets the keyed hashes
+    key = store_key(ws.store, ws.root)
+    hashes = [keyed_hash(sid, key) for sid in args.subject_ids]
     with shared_api_server(server):
-        state = delete_patient(args.out, subject_hash, mode=args.mode, wait_seconds=args.wait,
-                               compare_with_replay=not args.no_replay_comparison, return_state=True)
+        state = delete_patients(args.out, hashes, mode=args.mode, wait_seconds=args.wait,
+                                compare_with_replay=not args.no_replay_comparison, return_state=True)
     reason = refusal_reason(state)
     if reason is not None:
         print(f"forgetful: error: {reason}", file=sys.stderr)
         return 2
     out = state.result()
-    print(f"certificate: {out['certificate']}" if "certificate" in out else
-          f"forgetful: nothing to do: {out['already_deleted']}")
+    if "already_deleted" in out:
+        print(f"forgetful: nothing to do: {out['already_deleted']}")
+        return 0
+    for sid, path in zip(args.subject_ids, out["certificates"]):
+        print(f"certificate: {path}" + (f" (subject {sid})" if len(args.subject_ids) > 1 else ""))
     return 0
 
 

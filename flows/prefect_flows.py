@@ -1,9 +1,9 @@
 """Prefect 3 flows. Thin: each task calls one plain, separately tested function.
 
 ``scheduled_run`` = ``ingest`` -> ``evaluate`` (:mod:`run.evaluate`) -> cohort memory update -> ``report``;
-``delete_patient`` serves ad-hoc deletion requests. Task results that hold patient-level data (streams, per-stay
-rows) are never persisted (``persist_result=False``); nothing is cached by Prefect (the workspace's per-stay
-caches are).
+``delete_patients`` serves deletion requests, one patient or a batch. Task results that hold patient-level data
+(streams, per-stay rows) are never persisted (``persist_result=False``); nothing is cached by Prefect (the
+workspace's per-stay caches are).
 """
 import os
 import time
@@ -24,7 +24,7 @@ from cohorts.config import CohortConfig
 from cohorts.definitions import CohortConfigError, install_config
 from cohorts.evaluation import EventStream, headline_rows
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
-from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject
+from deletion import AlreadyDeleted, DeletionFailed, delete_subjects, resolve_subjects
 from memory.warmup import compile_solver, is_compiled
 from pipeline import progress
 from pipeline.extract import ExtractionError, UnknownSubjectError, extract
@@ -231,25 +231,39 @@ def refusal_reason(state: State) -> str | None:
     return message[len(REFUSAL_PREFIX):] if state.is_failed() and message.startswith(REFUSAL_PREFIX) else None
 
 
-@flow(name="forgetful-delete-patient")
-def delete_patient(root: str | Path, subject_hash: str, mode: str = "decrement",
-                   wait_seconds: float = 60.0, compare_with_replay: bool = True) -> dict | None:
-    """Delete the subject whose keyed hash is ``subject_hash`` (:func:`pipeline.privacy.keyed_hash` under the
-    workspace's key): Prefect's database, logs and results see the hash, never the raw id.
+@flow(name="forgetful-delete-patients")
+def delete_patients(root: str | Path, subject_hashes: list[str], mode: str = "decrement", wait_seconds: float = 60.0,
+                    compare_with_replay: bool = True, skip_unknown: bool = False) -> dict | None:
+    """Delete the subjects whose keyed hashes are ``subject_hashes`` (:func:`pipeline.privacy.keyed_hash` under the
+    workspace's key) in one transaction, a certificate each: Prefect's database, logs and results see the hashes,
+    never the raw ids.
 
-    Returns {"certificate": path}, or {"already_deleted": message}: deleting twice is an expected outcome
-    (the flow run completes), not a failure. A refusal (the workspace is held by a run, a check failed, an
-    unknown subject) is a Failed state carrying its one-line reason, not an exception's traceback."""
+    A hash of no stored subject (unknown, or deleted before) refuses the whole request, naming each, unless
+    ``skip_unknown``: then the rest are deleted and the result names the skipped. Returns {"certificates": paths,
+    "skipped": {hash prefix: reason}}, or {"already_deleted": message} when every subject was deleted before:
+    deleting twice is an expected outcome (the flow run completes), not a failure. A refusal (the workspace is
+    held by a run, a check failed, unknown subjects) is a Failed state carrying its one-line reason."""
     ws = Workspace(root)
     try:
-        cert, path = delete_subject(ws, resolve_subject(ws, subject_hash), mode=mode, wait_seconds=wait_seconds,
-                                    compare_with_replay=compare_with_replay)
-    except AlreadyDeleted as e:
-        get_run_logger().info("nothing to do: %s", e)
-        return {"already_deleted": str(e)}
+        found = resolve_subjects(ws, list(dict.fromkeys(subject_hashes)))
     except REFUSALS as e:
         return Failed(message=f"{REFUSAL_PREFIX}{e}")
-    get_run_logger().info("deletion certificate %s issued (mode %s)", Path(path).name, mode)
-    create_markdown_artifact(key="forgetful-deletion", markdown=f"Certificate `{Path(path).name}` (subject hash "
-                             f"`{cert['subject_hash'][:16]}...`, mode {mode}).")
-    return {"certificate": str(path)}
+    missing = {h[:12]: str(r) for h, r in found.items() if isinstance(r, Exception)}
+    sids = [r for r in found.values() if not isinstance(r, Exception)]
+    if not sids and all(isinstance(r, AlreadyDeleted) for r in found.values()):
+        get_run_logger().info("nothing to do: %s", "; ".join(missing.values()))
+        return {"already_deleted": "; ".join(missing.values())}
+    if missing and not (skip_unknown and sids):
+        return Failed(message=f"{REFUSAL_PREFIX}{len(missing)} of {len(found)} subject(s) cannot be deleted, so "
+                              f"none is (--skip-unknown deletes the rest): {'; '.join(missing.values())}")
+    try:
+        issued = delete_subjects(ws, sids, mode=mode, wait_seconds=wait_seconds,
+                                 compare_with_replay=compare_with_replay)
+    except (*REFUSALS, AlreadyDeleted) as e:       # AlreadyDeleted: another request deleted one meanwhile
+        return Failed(message=f"{REFUSAL_PREFIX}{e}")
+    names = [Path(path).name for _, path in issued]
+    get_run_logger().info("deletion certificate(s) %s issued (mode %s)", ", ".join(names), mode)
+    create_markdown_artifact(key="forgetful-deletion", markdown="\n".join(
+        f"- Certificate `{Path(path).name}` (subject hash `{cert['subject_hash'][:16]}...`, mode {mode})"
+        for cert, path in issued))
+    return {"certificates": [str(path) for _, path in issued], "skipped": missing}

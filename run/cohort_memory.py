@@ -1,6 +1,6 @@
 """The cohort memory over a workspace: its checkpoints (memory, stream mode, key statistics), its input in global
 time order, and its update after a run. A deletion reads the same input without its patients
-(:meth:`CohortRows.feed` with ``exclude``) and their own rows (:meth:`CohortRows.of_subject`)."""
+(:meth:`CohortRows.feed` with ``exclude``) and their own rows (:meth:`CohortRows.of_subjects`)."""
 from __future__ import annotations
 
 import functools
@@ -136,10 +136,10 @@ class CohortRows:
             if on_fed is not None:
                 on_fed(len(order))
 
-    def of_subject(self, subject_id: int) -> tuple[list[str], np.ndarray]:
-        """One subject's rows as this input holds them: (order keys, keys), read from the store."""
+    def of_subjects(self, subject_ids: frozenset) -> tuple[list[str], np.ndarray]:
+        """Those subjects' rows as this input holds them, in order: (order keys, keys), read from their shards."""
         own = cohort_stream(self.ws.store, self.cfg, self.tokens, self.key, scaler=self.scaler,
-                            subject_id=subject_id)
+                            subject_ids=frozenset(subject_ids))
         return own.order_keys, own.keys
 
 

@@ -10,12 +10,13 @@ import polars as pl
 import pytest
 
 from cohorts.definitions import install_config, is_eval_subject, resolve_config, workspace_config
-from deletion import delete_subject
+from deletion import delete_subject, delete_subjects
 from deletion.compare import compare_workspaces
 from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.privacy import load_key, subject_ref
+from pipeline.evidence import TrustAnchor, load_signing_key, public_hex, verify_certificate
+from pipeline.privacy import keyed_hash, load_key, subject_ref
 from pipeline.workspace import Workspace
 from reports.html import render_report
 from run.cohort_memory import update_cohort_memory
@@ -36,8 +37,9 @@ def run(ws):
     render_report(result.with_metadata(cohort_memory=memory), ws.root)
 
 
-def without(source, dest, sid):
-    """A copy of the source with none of the subject's rows in any table."""
+def without(source, dest, sids):
+    """A copy of the source with none of the subjects' rows in any table."""
+    gone = {str(s) for s in sids}
     for f in sorted(source.rglob("*.csv.gz")):
         out = dest / f.relative_to(source)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,7 @@ def without(source, dest, sid):
         head = lines[0].split(",")
         if "subject_id" in head:
             col = head.index("subject_id")
-            lines = [lines[0]] + [r for r in lines[1:] if r.split(",")[col] != str(sid)]
+            lines = [lines[0]] + [r for r in lines[1:] if r.split(",")[col] not in gone]
         out.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     return dest
 
@@ -56,12 +58,12 @@ def assert_equal_workspaces(a, b):
     assert [d for d in compare_workspaces(a, b, atol=1e-12) if not d.equal] == []
 
 
-def never_saw(source, tmp_path, sid, config=None):
-    """A workspace run on the source without the subject (with ``config`` installed when given)."""
+def never_saw(source, tmp_path, sids, config=None):
+    """A workspace run on the source without the subjects (with ``config`` installed when given)."""
     never = Workspace(tmp_path / "never")
     if config is not None:
         install_config(never.root, str(config))
-    extract(without(source, tmp_path / "source-without", sid), never.store, key=load_key())
+    extract(without(source, tmp_path / "source-without", sids), never.store, key=load_key())
     run(never)
     return never
 
@@ -92,7 +94,23 @@ def test_replay_leaves_what_a_run_that_never_saw_the_patient_makes(full, tmp_pat
     cert, _ = delete_subject(deleted, sid, mode="replay")
     assert cert["never_saw_equivalence"]["not_equal"] == [] and cert["artifacts_marked_stale"] == []
     assert "rare-item vocabulary" in cert["recomputed_without_the_patient"]
-    assert_equal_workspaces(deleted, never_saw(source, tmp_path, sid))
+    assert_equal_workspaces(deleted, never_saw(source, tmp_path, [sid]))
+
+
+@pytest.mark.slow
+def test_one_replay_of_several_patients_of_both_splits_leaves_what_a_run_that_never_saw_any_makes(full, tmp_path):
+    source, ws = full
+    cfg = workspace_config(ws.root)
+    subjects = pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
+    sids = [s for s in subjects if is_eval_subject(s, cfg)][:2] + \
+        [s for s in subjects if not is_eval_subject(s, cfg)][:2]
+    deleted = copy_ws(ws, tmp_path / "deleted")
+    issued = delete_subjects(deleted, sids, mode="replay")
+    assert len(issued) == 4 and len({path for _, path in issued}) == 4
+    for (cert, path), sid in zip(issued, sorted(sids)):
+        assert cert["subject_hash"] == keyed_hash(sid, load_key()) and cert["deleted_together"]["patients"] == 4
+        assert verify_certificate(path, None, TrustAnchor(public_hex(load_signing_key(deleted.root)), "test")) == []
+    assert_equal_workspaces(deleted, never_saw(source, tmp_path, sids))
 
 
 @pytest.mark.slow
@@ -108,7 +126,7 @@ def test_with_scaling_fitted_to_the_training_split_replay_refits_it_and_replays_
     before = json.loads((ws.checkpoints()[-1] / "token_scaling.json").read_text())
     delete_subject(ws, sid, mode="replay")
     assert json.loads((ws.checkpoints()[-1] / "token_scaling.json").read_text()) != before
-    assert_equal_workspaces(ws, never_saw(source, tmp_path, sid, config=fitted))
+    assert_equal_workspaces(ws, never_saw(source, tmp_path, [sid], config=fitted))
 
 
 @pytest.mark.slow

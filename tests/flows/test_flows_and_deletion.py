@@ -63,17 +63,17 @@ def test_second_run_resumes_the_cohort_memory(workspace, source, tmp_path):
     out = scheduled_run(root=str(ws.root), source=str(source), **RUN)
     after = CohortMemory.load(ws.checkpoints()[-1])
     assert len(ws.checkpoints()) == 2
-    assert out["result"]["metadata"]["cohort_memory"]["fed"] == 0  # nothing new in the source
+    assert out["result"].metadata["cohort_memory"]["fed"] == 0  # nothing new in the source
     assert after.memory.state_digest() == before.memory.state_digest()
 
 
 def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
-    from flows.prefect_flows import delete_patient, ingest
+    from flows.prefect_flows import delete_patients, ingest
     ws = copy_ws(workspace[0], tmp_path / "ws")
     sid = subject_with_memory_tokens(ws)
     found, _ = scan_subject(ws, sid)
     assert found["events"] > 0 and found["cohort_memory_tokens"] > 0
-    path = Path(delete_patient(str(ws.root), hash_of(sid))["certificate"])
+    (path,) = map(Path, delete_patients(str(ws.root), [hash_of(sid)])["certificates"])
     cert = json.loads(path.read_text())
     assert str(sid) not in path.read_text()  # only the keyed hash
     assert cert["mode"] == "decrement" and cert["residual_scan"]["rows_remaining"] == 0
@@ -83,7 +83,7 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
     assert verify_certificate(path) == []
     after, _ = scan_subject(ws, sid)
     assert not any(after.values())
-    assert json.loads(ws.report_json.read_text())["stale"]["certificate"] == path.name
+    assert json.loads(ws.report_json.read_text())["stale"]["certificates"] == [path.name]
     assert not ws.encoder.exists() and "learned_key_encoder" in cert["removed"]
     assert "Stale:" in ws.report_html.read_text()
     with pytest.raises(AlreadyDeleted, match="already deleted"):
@@ -383,12 +383,12 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
 
 @pytest.mark.slow
 def test_deleting_twice_is_a_completed_no_op_flow_run(token_workspace, tmp_path):
-    from flows.prefect_flows import delete_patient
+    from flows.prefect_flows import delete_patients
     ws = copy_ws(token_workspace[0], tmp_path / "twice")
     sid = subject_with_memory_tokens(ws)
-    first = delete_patient(str(ws.root), hash_of(sid))
-    assert Path(first["certificate"]).exists()
-    state = delete_patient(str(ws.root), hash_of(sid), return_state=True)
+    first = delete_patients(str(ws.root), [hash_of(sid)])
+    assert Path(first["certificates"][0]).exists()
+    state = delete_patients(str(ws.root), [hash_of(sid)], return_state=True)
     assert state.is_completed()
     again = state.result()
     assert "already deleted" in again["already_deleted"] and str(sid) not in again["already_deleted"]
@@ -409,21 +409,21 @@ def test_after_a_deletion_no_raw_id_is_anywhere_and_a_rerun_does_not_bring_the_p
     storage); a rerun on the unchanged source; a second request."""
     from prefect.settings import get_current_settings
 
-    from flows.prefect_flows import delete_patient, refusal_reason, scheduled_run
+    from flows.prefect_flows import delete_patients, refusal_reason, scheduled_run
     ws = copy_ws(workspace[0], tmp_path / "ws")
     shutil.copytree(source, ws.source)           # the workspace's own copy of the raw rows, as `make demo` has
     sid = subject_with_memory_tokens(ws)
     assert raw_id_hits(ws.root, {sid})             # the scanner finds the patient before the deletion
-    assert Path(delete_patient(str(ws.root), hash_of(sid))["certificate"]).exists()
+    assert Path(delete_patients(str(ws.root), [hash_of(sid)])["certificates"][0]).exists()
     settings = get_current_settings()
     db = Path(settings.server.database.connection_url.get_secret_value().split("///")[-1])
     places = [ws.root, Path(settings.home), db.parent, Path(settings.results.local_storage_path)]
     assert [h for p in places if p.exists() for h in raw_id_hits(p, {sid})] == []
     # control: a value handed to a flow does reach Prefect's database, and the scan finds it there
-    assert "no subject" in refusal_reason(delete_patient(str(ws.root), "987654321", return_state=True))
+    assert "no subject" in refusal_reason(delete_patients(str(ws.root), ["987654321"], return_state=True))
     assert any(str(db.parent) in h for h in raw_id_hits(db.parent, {987654321}))
     scheduled_run(root=str(ws.root), source=str(source), **RUN)
     assert not any(scan_subject(ws, sid)[0].values())
     assert [h for p in places if p.exists() for h in raw_id_hits(p, {sid})] == []
-    assert "already_deleted" in delete_patient(str(ws.root), hash_of(sid))
+    assert "already_deleted" in delete_patients(str(ws.root), [hash_of(sid)])
     assert len(list(ws.certificates.glob("*.json"))) == 1
