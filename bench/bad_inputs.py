@@ -64,7 +64,6 @@ def meds_dataset(dest: Path, frame, metadata: bool = True) -> Path:
 def cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
     import polars as pl
     src = generate(work / "source", GeneratorConfig(n_patients=8, seed=3))
-    gz = src / "icu" / "chartevents.csv.gz"
 
     def truncate(d):
         data = (d / "icu" / "chartevents.csv.gz").read_bytes()
@@ -157,7 +156,14 @@ def evidence_cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
     cli(["delete", "--out", str(ws), "--subject-id", sid], env)
     cert = ws / "certificates" / "000000.json"
     out = [("delete: an unknown subject", ["delete", "--out", str(ws), "--subject-id", "123"], {}),
-           ("delete: a subject deleted already", ["delete", "--out", str(ws), "--subject-id", sid], {})]
+           ("delete: a subject deleted already", ["delete", "--out", str(ws), "--subject-id", sid], {}),
+           ("delete: an unknown id among known ones", ["delete", "--out", str(ws), "--subject-id", other,
+                                                       "--subject-id", "123"], {}),
+           ("delete: a subjects file with a line that is no id", ["delete", "--out", str(ws), "--subjects-file",
+                                                                 str(_write(work / "ids.txt", f"{other}\nabc\n"))],
+            {}),
+           ("delete: a subjects file that does not exist", ["delete", "--out", str(ws), "--subjects-file",
+                                                            str(work / "no-such-ids.txt")], {})]
     damage = {"verify: a truncated checkpoint.json": lambda d: _cut(d / "checkpoint.json"),
               "verify: an empty checkpoint.json": lambda d: _write(d / "checkpoint.json", ""),
               "verify: an empty certificate": lambda d: _write(d / "certificates" / "000000.json", ""),

@@ -2,8 +2,9 @@
 
     python bench/delete_bench.py [--patients 40] [--deletions 5]
 
-Both sides use the same plain functions the flows compose (no Prefect server start in either timing): the
-re-run extracts the source without the patient, re-scores every evaluation stay and rebuilds the cohort memory.
+Both sides call the run the flows call (``run.evaluate``, raw-events mode; no Prefect server start in either
+timing): the re-run extracts the source without the patient, re-scores every evaluation stay and rebuilds the
+cohort memory.
 """
 import argparse
 import json
@@ -18,10 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
 
 from cohorts.definitions import load_config  # noqa: E402
-from cohorts.evaluation import aggregate, run_sweep  # noqa: E402
-from run.cohort_memory import update_cohort_memory  # noqa: E402
-from run.steps import save_results  # noqa: E402
-from cohorts.streams import evaluation_streams  # noqa: E402
 from deletion import delete_subject  # noqa: E402
 from deletion.plan import scored_subjects  # noqa: E402
 from pipeline.evidence import SIGNING_KEY_ENV, write_signing_key  # noqa: E402
@@ -29,8 +26,11 @@ from pipeline.extract import extract  # noqa: E402
 from pipeline.generate import GeneratorConfig, generate  # noqa: E402
 from pipeline.privacy import SUPPRESSED_FILE, keyed_hash, load_key  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
+from run.cohort_memory import update_cohort_memory  # noqa: E402
+from run.evaluate import evaluate  # noqa: E402
+from run.params import RunParams  # noqa: E402
 
-BUDGETS = (16, 64)
+PARAMS = RunParams(budgets=(16, 64), fractions=(), tokens="events", encoder_steps=0, cohort_budget=128)
 
 
 def pipeline(ws, source, key, deleted=None):
@@ -39,11 +39,9 @@ def pipeline(ws, source, key, deleted=None):
         ws.store.mkdir(parents=True)
         (ws.store / SUPPRESSED_FILE).write_text(json.dumps([keyed_hash(deleted, key)]))
     extract(source, ws.store, key=key)
-    streams, _ = evaluation_streams(ws.store, load_config())
-    rows = run_sweep(streams, budgets=BUDGETS, fractions=())
-    save_results(ws, rows)
-    aggregate(rows)
-    update_cohort_memory(ws, budget=128)
+    cfg = load_config()
+    evaluate(ws, PARAMS, cfg=cfg)
+    update_cohort_memory(ws, cfg, budget=PARAMS.cohort_budget, tokens=PARAMS.tokens)
 
 
 def main(argv=None):
@@ -74,7 +72,8 @@ def main(argv=None):
         pipeline(fresh, source, key, deleted=sid)
         t_rerun.append(time.perf_counter() - t0)
     d, r = sorted(t_del)[len(t_del) // 2], sorted(t_rerun)[len(t_rerun) // 2]
-    print(f"{args.patients} patients, budgets {BUDGETS}, cohort memory budget 128; first full run {t_full:.1f} s")
+    print(f"{args.patients} patients, budgets {PARAMS.budgets}, cohort memory budget {PARAMS.cohort_budget}; first "
+          f"full run {t_full:.1f} s")
     print(f"deletion per patient (median of {len(t_del)}): {d:.2f} s   re-run without the patient: {r:.2f} s   "
           f"ratio re-run/deletion: {r / d:.1f}x")
     shutil.rmtree(work)

@@ -1,15 +1,18 @@
 """The whole scheduled run at real per-stay volumes and growing cohort sizes, phase by phase.
 
-    python bench/scale_bench.py [--fractions 0.01,0.03] [--dask-at 0.03] [--no-delete] [--work DIR]
+    python bench/scale_bench.py [--fractions 0.01,0.03] [--clones K] [--dask-at 0.03] [--no-delete]
+                                [--batch 10] [--work DIR]
 
-For each fraction of MIMIC-IV 2.2's 73,181 ICU stays (1 % is about 730), the open demo cloned with fresh ids
+For each fraction of MIMIC-IV v3.1's 94,458 ICU stays (1 % is about 945), or at ``--clones`` copies of the demo,
+the open demo cloned with fresh ids
 (``bench/scale_source.py``) is run through ``forgetful run`` (the CLI, as a user runs it: its own Prefect
 server, the process pool) while the RSS of the whole process tree (the CLI, its workers, the Prefect server)
 is sampled every 0.2 s. Printed per size: each phase's seconds and peak RSS (from the run's
 ``run_phases.json``); then a rerun with no new rows and a rerun after about 1 % new rows (new patients and
 late chart rows), beside the first run's time; at ``--dask-at`` the same first run on a local 2-worker Dask
-cluster; at the largest size ``forgetful delete`` in both modes. Last, each phase's growth exponent (the
-log-log slope between the smallest and largest size) and its extrapolation to 100 %.
+cluster; at the largest size ``forgetful delete``: a decrement of one patient, a replay of one and one replay of
+``--batch`` patients in one command, beside the first run. Last, each phase's growth exponent (the log-log slope
+between the smallest and largest size) and its extrapolation to all of v3.1 (and to 2.2, a second line).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_source import MIMIC_IV_ICU_STAYS, add_new_rows, clones_for, make_source  # noqa: E402
+from scale_source import (MIMIC_IV_2_2_ICU_STAYS, MIMIC_IV_ICU_STAYS, add_new_rows, clones_for,  # noqa: E402
+                          make_source)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT.parent / "shared" / "data" / "mimic-iv-demo"
@@ -127,9 +131,9 @@ def demo_run(work: Path | None, prefix: str) -> tuple[Path, dict, Path, float] |
 
 
 def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: str = "process",
-             reruns: bool = True) -> dict:
-    stays = round(fraction * MIMIC_IV_ICU_STAYS)
-    k = clones_for(demo, stays)
+             reruns: bool = True, clones: int | None = None) -> dict:
+    k = clones or clones_for(demo, round(fraction * MIMIC_IV_ICU_STAYS))
+    fraction = k * 140 / MIMIC_IV_ICU_STAYS
     src = make_source(demo, work / f"src-{k}", k)
     ws = work / f"ws-{k}-{task_runner}"
     shutil.rmtree(ws, ignore_errors=True)
@@ -137,7 +141,7 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
     wall, mon, _ = forgetful(args, env)
     res = {"fraction": fraction, "clones": k, "stays": k * 140, "wall": wall, "peak": mon.peak(),
            "phases": phase_table(ws, mon), "ws": ws, "task_runner": task_runner}
-    print(f"\n{fraction:.0%} of MIMIC-IV ({k} demo copies, ~{k * 140} ICU stays), task runner {task_runner}: "
+    print(f"\n{fraction:.1%} of MIMIC-IV v3.1 ({k} demo copies, ~{k * 140} ICU stays), task runner {task_runner}: "
           f"whole run {wall:.1f} s, peak RSS {res['peak']:.2f} GiB", flush=True)
     for ph in PHASES:
         s, g = res["phases"].get(ph, (float("nan"), float("nan")))
@@ -155,17 +159,24 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
     return res
 
 
-def time_deletions(ws: Path, env: dict) -> None:
+def time_deletions(ws: Path, env: dict, first_run: float, batch: int = 10) -> None:
+    """``forgetful delete`` on copies of ``ws``: a decrement of one evaluation patient (their tokens are in the
+    cohort memory, so both modes have work to do), a replay of them, and one replay of ``batch`` patients in one
+    command; each beside the first run's ``first_run`` seconds."""
     from deletion.plan import scored_subjects
     from pipeline.workspace import Workspace
-    # an evaluation patient of the cohort (their tokens are in the cohort memory: replay has work to do)
-    subject = scored_subjects(Workspace(ws))[0]
-    for mode in ("decrement", "replay"):
-        copy = ws.with_name(ws.name + f"-del-{mode}")
+    subjects = scored_subjects(Workspace(ws))
+    one = None
+    for mode, sids in (("decrement", subjects[:1]), ("replay", subjects[:1]), ("replay", subjects[:batch])):
+        copy = ws.with_name(ws.name + f"-del-{mode}-{len(sids)}")
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(ws, copy)
-        secs, mon, _ = forgetful(["delete", "--out", str(copy), "--subject-id", str(subject), "--mode", mode], env)
-        print(f"  forgetful delete --mode {mode:9s}: {secs:6.1f} s, peak RSS {mon.peak():.2f} GiB", flush=True)
+        ids = [a for s in sids for a in ("--subject-id", str(s))]
+        secs, mon, _ = forgetful(["delete", "--out", str(copy), *ids, "--mode", mode], env)
+        one = secs if mode == "replay" and len(sids) == 1 else one
+        than_one = f", {secs / one:.2f}x one replay" if mode == "replay" and len(sids) > 1 else ""
+        print(f"  forgetful delete --mode {mode:9s} of {len(sids):2d} patient(s): {secs:6.1f} s "
+              f"({secs / first_run:.1%} of the first run{than_one}), peak RSS {mon.peak():.2f} GiB", flush=True)
         shutil.rmtree(copy, ignore_errors=True)
 
 
@@ -173,19 +184,22 @@ def growth(results: list[dict]) -> None:
     a, b = results[0], results[-1]
     if b["stays"] == a["stays"]:
         return
-    print(f"\ngrowth from {a['stays']} to {b['stays']} stays, extrapolated to MIMIC-IV's {MIMIC_IV_ICU_STAYS}:")
-    scale = MIMIC_IV_ICU_STAYS / b["stays"]
-    total = 0.0
+    print(f"\ngrowth from {a['stays']} to {b['stays']} stays, extrapolated to MIMIC-IV v3.1's {MIMIC_IV_ICU_STAYS} "
+          f"stays (2.2's {MIMIC_IV_2_2_ICU_STAYS} in brackets):")
+    scale, scale_22 = MIMIC_IV_ICU_STAYS / b["stays"], MIMIC_IV_2_2_ICU_STAYS / b["stays"]
+    total = total_22 = 0.0
     for ph in PHASES + ("whole run",):
         ta = a["wall"] if ph == "whole run" else a["phases"].get(ph, (0, 0))[0]
         tb = b["wall"] if ph == "whole run" else b["phases"].get(ph, (0, 0))[0]
         if ta <= 0 or tb <= 0:
             continue
         e = math.log(tb / ta) / math.log(b["stays"] / a["stays"])
-        full = tb * scale ** max(e, 0.0)
+        full, full_22 = tb * scale ** max(e, 0.0), tb * scale_22 ** max(e, 0.0)
         total += full if ph != "whole run" else 0.0
-        print(f"  {ph:14s} exponent {e:5.2f}   {tb:8.1f} s -> {full / 60:7.1f} min at 100 %")
-    print(f"  the phases' extrapolations summed: {total / 3600:.1f} h")
+        total_22 += full_22 if ph != "whole run" else 0.0
+        print(f"  {ph:14s} exponent {e:5.2f}   {tb:8.1f} s -> {full / 60:7.1f} min at 100 % ({full_22 / 60:.1f})")
+    print(f"  the phases' extrapolations summed: {total / 3600:.2f} h ({total_22 / 3600:.2f} h for 2.2); the goal, "
+          f"2 h on 2 cores: {'met' if total <= 7200 else f'missed by {(total - 7200) / 3600:.2f} h'}")
     print(f"  peak RSS: {a['peak']:.2f} GiB at {a['stays']} stays, {b['peak']:.2f} GiB at {b['stays']} stays")
 
 
@@ -194,6 +208,8 @@ def main(argv=None):
     ap.add_argument("--fractions", default="0.01,0.03", help="fractions of MIMIC-IV's ICU stays (0.1 for the note)")
     ap.add_argument("--dask-at", type=float, default=0.03, help="the fraction also run on a local Dask cluster "
                                                                 "(0: none)")
+    ap.add_argument("--clones", type=int, default=None, help="run at this many demo copies instead of --fractions")
+    ap.add_argument("--batch", type=int, default=10, help="patients of the batch deletion")
     ap.add_argument("--no-delete", action="store_true", help="skip timing forgetful delete at the largest size")
     ap.add_argument("--no-reruns", action="store_true", help="skip the two incremental reruns")
     ap.add_argument("--delete-only", type=Path, default=None, help="only time forgetful delete on this workspace")
@@ -206,13 +222,14 @@ def main(argv=None):
     work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-scale-"))
     env = bench_env(work)
     if a.delete_only:
-        time_deletions(a.delete_only, env)
+        time_deletions(a.delete_only, env, float("nan"), a.batch)
         return
     fractions = sorted(float(f) for f in a.fractions.split(","))
-    results = [run_size(a.demo, f, work, env, reruns=not a.no_reruns) for f in fractions]
+    results = [run_size(a.demo, f, work, env, reruns=not a.no_reruns) for f in fractions] if a.clones is None else \
+        [run_size(a.demo, 0.0, work, env, reruns=not a.no_reruns, clones=a.clones)]
     if not a.no_delete:
         print(f"\ndeletion at {results[-1]['stays']} stays:")
-        time_deletions(results[-1]["ws"], env)
+        time_deletions(results[-1]["ws"], env, results[-1]["wall"], a.batch)
     growth(results)
     if a.dask_at:
         run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False)

@@ -21,7 +21,8 @@ import duckdb
 ID_OFFSET = 100_000_000            # above every MIMIC-IV id (subject 1e7.., hadm 2e7.., stay 3e7..)
 ID_COLUMNS = ("subject_id", "hadm_id", "stay_id")
 PERTURBED = {"chartevents": "valuenum", "labevents": "valuenum"}
-MIMIC_IV_ICU_STAYS = 73_181        # MIMIC-IV 2.2 icustays
+MIMIC_IV_ICU_STAYS = 94_458        # MIMIC-IV v3.1 icustays (mimic-code's validate.sql): the reference
+MIMIC_IV_2_2_ICU_STAYS = 73_181    # MIMIC-IV 2.2 icustays, the earlier reference (a second line)
 
 
 def _lit(p: Path) -> str:
@@ -56,7 +57,7 @@ def _clone_table(con, src: Path, dst: Path, clones: int) -> None:
             return _shifted(c, f"k * {ID_OFFSET}")
         if PERTURBED.get(table) == c:
             # a factor in [0.99, 1.01] from the row's own content: deterministic, different per clone
-            f = f"(1 + 0.01 * ((hash(k, subject_id, charttime, itemid) % 2001)::DOUBLE - 1000) / 1000)"
+            f = "(1 + 0.01 * ((hash(k, subject_id, charttime, itemid) % 2001)::DOUBLE - 1000) / 1000)"
             return (f"CASE WHEN k = 0 OR TRY_CAST({c} AS DOUBLE) IS NULL THEN {c} "
                     f"ELSE CAST(round(CAST({c} AS DOUBLE) * {f}, 4) AS VARCHAR) END AS {c}")
         return c

@@ -427,3 +427,35 @@ def test_after_a_deletion_no_raw_id_is_anywhere_and_a_rerun_does_not_bring_the_p
     assert [h for p in places if p.exists() for h in raw_id_hits(p, {sid})] == []
     assert "already_deleted" in delete_patients(str(ws.root), [hash_of(sid)])
     assert len(list(ws.certificates.glob("*.json"))) == 1
+
+
+@pytest.mark.slow
+def test_a_batch_deletion_is_one_command_a_certificate_each_and_an_unknown_id_is_named(token_workspace, tmp_path):
+    """`forgetful delete` with several ids: an unknown one refuses the whole request and is named; with
+    --skip-unknown the rest are deleted in one transaction, each with a certificate that verifies alone; asking
+    again is nothing to do."""
+    from pipeline.evidence import TrustAnchor, load_signing_key, public_hex
+    ws = copy_ws(token_workspace[0], tmp_path / "batch")
+    first, second = scored_subjects(ws)[:2]
+    cli = [sys.executable, "-m", "flows.cli", "delete", "--out", str(ws.root), "--mode", "replay"]
+
+    def delete(*args):
+        return subprocess.run(cli + list(args), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    refused = delete("--subject-id", str(first), "--subject-id", "424242")
+    assert refused.returncode == 2 and "subject 424242" in refused.stderr and "--skip-unknown" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not list(ws.certificates.glob("*.json"))
+    ids = tmp_path / "ids.txt"
+    ids.write_text(f"# this week's requests\n{first}\n\n{second}\n")
+    done = delete("--subjects-file", str(ids), "--subject-id", "424242", "--skip-unknown")
+    assert done.returncode == 0, done.stderr
+    assert "skipped subject 424242" in done.stderr
+    certs = sorted(ws.certificates.glob("*.json"))
+    assert [c.name for c in certs] == ["000000.json", "000001.json"] and done.stdout.count("certificate: ") == 2
+    anchor = TrustAnchor(public_hex(load_signing_key(ws.root)), "the test's signing key")
+    for path, sid in zip(certs, (first, second)):
+        cert = json.loads(path.read_text())
+        assert cert["subject_hash"] == hash_of(sid) and cert["deleted_together"]["patients"] == 2
+        assert verify_certificate(path, None, anchor) == []
+        assert not any(scan_subject(ws, sid)[0].values())
+    again = delete("--subject-id", str(first), "--subject-id", str(second))
+    assert again.returncode == 0 and "nothing to do" in again.stdout
