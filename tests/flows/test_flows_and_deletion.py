@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cohorts.definitions import workspace_config
 from deletion import AlreadyDeleted, delete_subject, scan_subject
 from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
@@ -18,6 +19,7 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
+from run.params import RunParams
 from tests.workspaces import copy_ws, raw_id_hits, ref, scored_subjects, subject_with_memory_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +100,7 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
     mine = [ln for ln in lines[1:] if ln.startswith(f"{sid},")][:3]
     with gzip.open(p, "wt") as fh:
         fh.write("\n".join(lines + [m.replace(",220045,", ",220210,") for m in mine]) + "\n")
-    info = ingest(str(ws.root), str(src))
+    info = ingest(str(ws.root), RunParams(source=str(src)), workspace_config(ws.root))
     assert info["suppressed_rows"] > 0
     assert not any(scan_subject(ws, sid)[0].values())
 
