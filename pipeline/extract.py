@@ -7,6 +7,9 @@ the event store, itself a valid MEDS dataset (layout and columns: :mod:`pipeline
     quarantine/run-<id>.parquet        rejected rows with the rule that rejected them (never silently dropped)
     manifest.json                      per source file: size, mtime, sha256, rows seen; and the run history
 
+A table is a file (``icu/chartevents.csv.gz``) or a folder of files with one header (``icu/chartevents/*.csv.gz``,
+e.g. one per day as hospital extracts arrive); a rerun reads only a folder's new or changed files.
+
 Incremental runs: a source file whose size, mtime and sha256 match the manifest is skipped. A changed file is
 re-read in full, and only rows whose (event_hash, occurrence) pair is not already in the store (or in the
 quarantine) are written: ``event_hash`` is the md5 of the row's content, ``occurrence`` numbers repeats of
@@ -63,13 +66,23 @@ class ExtractSummary:
         return dict(self.__dict__)
 
 
-def find_table(source: Path, name: str) -> Path | None:
+def find_table(source: Path, name: str) -> Path | tuple[Path, ...] | None:
+    """A table's file (``hosp/name.csv.gz`` or ``.csv``), or its folder's files in name order (``hosp/name/``,
+    ``*.csv.gz`` and ``*.csv``), or None."""
     folder, _ = TABLES[name]
     for ext in (".csv.gz", ".csv"):
         p = Path(source) / folder / f"{name}{ext}"
         if p.exists():
             return p
-    return None
+    d = Path(source) / folder / name
+    files = tuple(sorted(f for f in d.iterdir() if f.is_file() and not f.name.startswith(".")
+                         and f.name.endswith((".csv.gz", ".csv")))) if d.is_dir() else ()
+    return files or None
+
+
+def table_files(table: str, found: Path | tuple[Path, ...]) -> dict[str, Path]:
+    """A table's files by their manifest key: the table's name for a file, ``name/file`` for a folder's files."""
+    return {f"{table}/{f.name}": f for f in found} if isinstance(found, tuple) else {table: found}
 
 
 def _sha256(path):
@@ -80,9 +93,16 @@ def _sha256(path):
     return h.hexdigest()
 
 
+def _where(path: Path | tuple) -> str:
+    """A table's place in a message: its file, or its folder (a folder of files)."""
+    return f"{path[0].parent}/" if isinstance(path, tuple) else str(path)
+
+
 def _read_problem(path, err: Exception) -> ExtractionError:
-    """One line naming the file and what is wrong with it, from DuckDB's multi-line error."""
+    """One line naming the file (a folder table's folder) and what is wrong with it, from DuckDB's multi-line
+    error."""
     msg = str(err)
+    path = _where(path)
     if "Unexpected end of GZIP stream" in msg:
         what = "the gzip stream ends early: the file is truncated (copy it again)"
     elif "not a GZIP stream" in msg or "Input is not a GZIP" in msg:
@@ -192,10 +212,17 @@ def _check_source(con, source):
         if p is None:
             missing.append(f"{folder}/{name}")
             continue
-        cols = _header(con, p)
-        absent = [c for c in required if c not in cols]
-        if absent:
-            raise ExtractionError(f"{folder}/{p.name} lacks required column(s) {absent}")
+        first = None
+        for key, f in table_files(name, p).items():
+            cols = _header(con, f)
+            absent = [c for c in required if c not in cols]
+            if absent:
+                raise ExtractionError(f"{folder}/{key if isinstance(p, tuple) else f.name} lacks required "
+                                      f"column(s) {absent}")
+            if first is not None and cols != first:
+                raise ExtractionError(f"{f}: its header differs from the first file's of {folder}/{name}/ (the "
+                                      f"files of a table's folder share one header)")
+            first = cols
         paths[name] = p
     lacking = [f"{TABLES[t][0]}/{t}" for t in REQUIRED_TABLES if t not in paths]
     if lacking:
@@ -223,17 +250,22 @@ def _changed_files(files: dict, manifest: dict, summary: ExtractSummary) -> dict
     """The source files (name -> path) that differ from the manifest's; unchanged ones are skipped. A file at the
     same path with the size and modification time recorded is unchanged without reading it (a nightly rerun
     hashed every source file, gigabytes at full scale); any other is compared by sha256 (a file touched but not
-    changed records its new time, so the next run does not read it either)."""
+    changed records its new time, so the next run does not read it either). A table's skipped files are counted
+    under the table (a folder's files' keys are ``table/file``)."""
     changed = {}
+
+    def skipped(name, rows):
+        table = "meds" if name.startswith("meds:") else name.split("/")[0]
+        summary.tables[table] = {"skipped": True, "rows": summary.tables.get(table, {}).get("rows", 0) + rows}
     for name, p in files.items():
         prev, st = manifest["files"].get(name), p.stat()
         same_file = prev and prev.get("path") == str(p) and prev["size"] == st.st_size
         if same_file and prev.get("mtime_ns") == st.st_mtime_ns:
-            summary.tables[name] = {"skipped": True, "rows": prev["rows"]}
+            skipped(name, prev["rows"])
             continue
         digest = _sha256(p)
         if prev and prev["sha256"] == digest and prev["size"] == st.st_size:
-            summary.tables[name] = {"skipped": True, "rows": prev["rows"]}
+            skipped(name, prev["rows"])
             if same_file:
                 prev["mtime_ns"] = st.st_mtime_ns
         else:
@@ -250,12 +282,13 @@ def _stage(con, paths, changed) -> None:
                         {bigint('p.anchor_age')} AS anchor_age, p.gender AS gender
                     FROM {csv_reader(paths['icustays'])} i
                     LEFT JOIN {csv_reader(paths['patients'])} p ON i.subject_id = p.subject_id""")
-    _check_stays(con, paths["icustays"])
+    _check_stays(con, _where(paths["icustays"]))
     con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
                 "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
                 "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
-    with progress.step("reading changed source tables", total=len(changed), unit="tables") as advance:
-        for table, info in changed.items():
+    with progress.step("reading changed source files", total=len(changed), unit="files") as advance:
+        for key, info in changed.items():
+            table = key.split("/")[0]           # a folder's file: "chartevents/2026-12-01.csv.gz"
             try:
                 con.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
                 info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
@@ -407,9 +440,13 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
                                       "pattern (meds_source.admission in the cohort config)")
             groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
         else:
-            changed = _changed_files({t: paths[t] for t in EVENT_TABLES if t in paths}, manifest, summary)
+            files = {k: f for t in EVENT_TABLES if t in paths for k, f in table_files(t, paths[t]).items()}
+            changed = _changed_files(files, manifest, summary)
             _stage(con, paths, changed)
-            groups = {t: ([t], info["rows"]) for t, info in changed.items()}
+            groups = {}
+            for key, info in changed.items():
+                table = key.split("/")[0]
+                groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
         summary.suppressed_rows = _suppress(con, suppressed)
         with progress.step("checking rows against the store (rules, duplicates)"):
             _judge(con, out)

@@ -84,8 +84,10 @@ def sql_literal(value: Path | str) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def header_names(path: Path | str) -> list[str] | None:
-    """The header line's fields (None when the file cannot be opened as text: DuckDB then names the problem)."""
+def header_names(path: Path | str | tuple) -> list[str] | None:
+    """The header line's fields (None when the file cannot be opened as text: DuckDB then names the problem);
+    of a table's first file when it is a folder of files (a tuple: they share one header)."""
+    path = path[0] if isinstance(path, tuple) else path
     try:
         with (gzip.open(path, "rt", encoding="utf-8", newline="") if str(path).endswith(".gz")
               else open(path, encoding="utf-8", newline="")) as fh:
@@ -94,12 +96,14 @@ def header_names(path: Path | str) -> list[str] | None:
         return None
 
 
-def csv_reader(path: Path | str) -> str:
-    """DuckDB's reader of a source table with MIMIC-IV's dialect and the header's columns stated, not sniffed,
-    so a ragged row or a binary file is an error naming its line rather than a guessed dialect."""
+def csv_reader(path: Path | str | tuple) -> str:
+    """DuckDB's reader of a source table (a file, or a tuple of files: a table as a folder of files) with
+    MIMIC-IV's dialect and the header's columns stated, not sniffed, so a ragged row or a binary file is an error
+    naming its line rather than a guessed dialect."""
     names = header_names(path)
     cols = ", columns={" + ", ".join(f"'{n.replace(chr(39), '')}': 'VARCHAR'" for n in names) + "}" if names else ""
-    return (f"read_csv({sql_literal(path)}, header=true, all_varchar=true, delim=',', quote='\"', escape='\"', "
+    src = "[" + ", ".join(map(sql_literal, path)) + "]" if isinstance(path, tuple) else sql_literal(path)
+    return (f"read_csv({src}, header=true, all_varchar=true, delim=',', quote='\"', escape='\"', "
             f"strict_mode=true{cols})")
 
 
@@ -177,7 +181,8 @@ def _hospital_selects(table: str, sel) -> list:
     if table == "admissions":
         return [sel("admittime", "'HOSPITAL_ADMISSION'", None, None, None, stay=None),
                 sel("dischtime", "'HOSPITAL_DISCHARGE'", None, None, None, stay=None),
-                sel("deathtime", f"'{DEATH_CODE}'", None, None, None, stay=None) + " WHERE NULLIF(deathtime, '') IS NOT NULL",
+                sel("deathtime", f"'{DEATH_CODE}'", None, None, None, stay=None)
+                + " WHERE NULLIF(deathtime, '') IS NOT NULL",
                 sel("edregtime", "'ED_REGISTRATION'", None, None, None, stay=None)
                 + " WHERE NULLIF(edregtime, '') IS NOT NULL",
                 sel("edouttime", "'ED_OUT'", None, None, None, stay=None) + " WHERE NULLIF(edouttime, '') IS NOT NULL"]

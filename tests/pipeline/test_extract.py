@@ -142,6 +142,47 @@ def test_a_rerun_reads_no_unchanged_source_file(source, tmp_path, monkeypatch):
     assert extract(src, out).new_events == 0 and read == Counter({"labevents.csv.gz": 1})   # its time recorded
 
 
+def _event_rows(out):
+    return (scan_events(out).drop("event_hash", "occurrence").collect()
+            .sort("subject_id", "time", "code", "numeric_value", "text_value", nulls_last=True))
+
+
+def test_a_table_may_be_a_folder_of_files_and_a_rerun_reads_only_the_new_ones(source, tmp_path, monkeypatch):
+    """icu/chartevents/ as files, one per part of the rows (as daily extracts arrive): the store equals the one
+    file's; a new file is the only one a rerun reads, and the store then equals the one file with its rows."""
+    from pipeline import extract as extract_module
+    lines = gzip.open(source / "icu" / "chartevents.csv.gz", "rt").read().splitlines()
+    head, rows = lines[0], lines[1:]
+    parts = [rows[i::4] for i in range(4)]          # every row in exactly one part
+
+    def source_with(files):
+        src = tmp_path / f"src-{len(files)}"
+        shutil.copytree(source, src)
+        (src / "icu" / "chartevents.csv.gz").unlink()
+        (src / "icu" / "chartevents").mkdir()
+        for i, part in enumerate(files):
+            _write_gz(src / "icu" / "chartevents" / f"day-{i}.csv.gz", "\n".join([head] + part) + "\n")
+        return src
+    whole = tmp_path / "whole"
+    extract(source, whole)
+    src = source_with(parts[:3])
+    out = tmp_path / "folder"
+    first = extract(src, out)
+    assert first.tables["chartevents"]["rows"] == sum(len(p) for p in parts[:3])
+    _write_gz(src / "icu" / "chartevents" / "day-3.csv.gz", "\n".join([head] + parts[3]) + "\n")
+    read = Counter()
+    real = extract_module._sha256
+    monkeypatch.setattr(extract_module, "_sha256", lambda p: read.update([p.name]) or real(p))
+    later = extract(src, out)
+    assert read == Counter({"day-3.csv.gz": 1}) and later.new_events > 0
+    assert later.tables["chartevents"]["rows"] == len(parts[3])
+    assert _event_rows(out).equals(_event_rows(whole))
+    bad = src / "icu" / "chartevents" / "day-4.csv.gz"
+    _write_gz(bad, head.replace("valuenum", "value") + "\n")
+    with pytest.raises(ExtractionError, match="day-4.csv.gz"):
+        extract(src, out)
+
+
 def _write_gz(path, text):
     with gzip.open(path, "wt") as fh:
         fh.write(text)
