@@ -9,6 +9,7 @@ import polars as pl
 import yaml
 
 from pipeline.extract import scan_events
+from pipeline.meds import stays_path
 
 from .config import DEFAULT_SMALL_CELL_THRESHOLD, CohortConfig
 from .config_check import check_config
@@ -134,7 +135,7 @@ def is_eval_subject(subject_id: int, cfg: CohortConfig) -> bool:
 
 def build_cohort(store: Path, cfg: CohortConfig) -> pl.DataFrame:
     """ICU stays of adults lasting at least ``min_stay_hours``, with their split."""
-    stays = pl.read_parquet(Path(store) / "stays.parquet")
+    stays = pl.read_parquet(stays_path(store))
     hours = (pl.col("outtime") - pl.col("intime")).dt.total_seconds() / 3600.0
     stays = stays.with_columns(hours.alias("stay_hours")).filter(
         (pl.col("anchor_age") >= cfg.cohort.min_age) & (pl.col("stay_hours") >= cfg.cohort.min_stay_hours))

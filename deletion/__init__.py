@@ -49,14 +49,15 @@ def _stage_deletion(ws, cfg, txn, subjects, stay_files, mode, log, signing_key, 
     t0 = time.perf_counter()
     sids = frozenset(subjects)
     removed = rewrite_store(ws, txn, subjects)
-    for sid, r in remove_stay_artifacts(ws, txn, stay_files).items():
+    rerun = mode == "replay" and derived.reruns(ws)
+    for sid, r in remove_stay_artifacts(ws, txn, stay_files, drop_cache=not rerun).items():
         removed[sid] |= r
     crash_point("staged_store")
-    run = derived.prepare(ws, txn, sorted(sids)) if mode == "replay" else None
+    run = derived.prepare(ws, txn, sorted(sids)) if rerun else None
     tokens, verification, digests = rewrite_memories(ws, cfg, txn, sids, mode, n_jitter,
                                                      scaler=run.index.scaling if run else None, compare=compare)
     crash_point("staged_memories")
-    recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn)) if run else []
+    recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn), sorted(sids)) if run else []
     residual = residual_scan(ws, txn, stay_files)
     left = {subjects[sid][:12]: r for sid, r in residual.items() if r["rows_remaining"]}
     if left:

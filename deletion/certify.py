@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
 from pipeline.versions import code_version
 from reports.certificate_page import render_certificate_html
+from reports.html import mark_stale
 
 from .plan import DeletionFailed
 
@@ -78,9 +79,7 @@ def _stamp_stale(ws, txn, stale, names) -> None:
         rep["stale"] = {"reason": said, "certificates": names}
         txn.stage(ws.report_json).write_text(json.dumps(rep, indent=1, default=str))
     if "report.html" in stale:
-        banner = (f"<p style='background:#fde;border:2px solid #c00;padding:8px'><b>Stale:</b> {said}; the next "
-                  f"scheduled run regenerates it.</p>")
-        txn.stage(ws.report_html).write_text(ws.report_html.read_text().replace("<body>", "<body>" + banner, 1))
+        txn.stage(ws.report_html).write_text(mark_stale(ws.report_html.read_text(), said))
 
 
 def stage_certificates(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, certs: list[dict],

@@ -14,6 +14,7 @@ Hourly-token workspaces only: a workspace whose last run was of raw events keeps
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,13 +22,14 @@ from cohorts.definitions import workspace_config_path
 from pipeline.extract_rules import N_BUCKETS
 from pipeline.workspace import Workspace
 from reports.html import render_report
-from run.evaluate import PreparedRun, process_pool_map, rerun
+from run.evaluate import PreparedRun, StreamMode, process_pool_map, rerun, saved_params
 
 if TYPE_CHECKING:
     from pipeline.transaction import Transaction
 
 RECOMPUTED = ("MEDS label files", "per-stay results and memories", "rare-item vocabulary", "streaming setting",
-              "token scaling", "statistics", "cohort table", "report.html", "report.json")
+              "token scaling", "statistics", "cohort table", "report.html", "report.json",
+              "per-stay caches of the patients' shards (compacted without their stays)")
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -35,9 +37,25 @@ def _link(src: Path, dst: Path) -> None:
     dst.symlink_to(src)
 
 
+def reruns(ws: Workspace) -> bool:
+    """Whether a replay deletion reruns the workspace's last run (its parameters are of hourly tokens)."""
+    params = saved_params(ws)
+    return params is not None and params.tokens is StreamMode.HOURLY
+
+
+def _touched_cache(ws: Workspace, subjects: list[int]) -> list[Path]:
+    """The per-stay cache entries of the subjects' shards (folders of parts, index files)."""
+    touched = {str(int(s) % N_BUCKETS) for s in subjects}
+    kinds = sorted(d for d in ws.cache.iterdir() if d.is_dir()) if ws.cache.exists() else []
+    return [e for kind in kinds for e in sorted(kind.iterdir())
+            if (e.name if e.is_dir() else e.stem) in touched and not e.name.endswith(".tmp")]
+
+
 def open_view(ws: Workspace, txn: Transaction, subjects: list[int]) -> Workspace:
     """The workspace as it will be after the deletion commits, as links (every writer of the run replaces
-    files atomically, so a write in the view never reaches the file a link points to)."""
+    files atomically, so a write in the view never reaches the file a link points to). The per-stay caches of
+    the subjects' shards are copies: the rerun compacts them to the stays still there (the subjects' entries
+    go), and :func:`finish` stages them back, so the other stays of those shards are not recomputed."""
     view = Workspace(txn.dir / "view")
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
     deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
@@ -45,12 +63,19 @@ def open_view(ws: Workspace, txn: Transaction, subjects: list[int]) -> Workspace
     for f in sorted(files - deleted):
         _link(staged.get(f, Path(f)), view.store / Path(f).relative_to(ws.store))
     _link(workspace_config_path(ws.root), view.config)
-    touched = {str(int(s) % N_BUCKETS) for s in subjects}
+    touched = set(_touched_cache(ws, subjects))
     for kind in sorted(d for d in ws.cache.iterdir() if d.is_dir()) if ws.cache.exists() else []:
         for entry in sorted(kind.iterdir()):
-            shard = entry.name if entry.is_dir() else entry.stem
-            if shard not in touched and not entry.name.endswith(".tmp"):
-                _link(entry, view.cache / kind.name / entry.name)
+            if entry.name.endswith(".tmp"):
+                continue
+            target = view.cache / kind.name / entry.name
+            if entry not in touched:
+                _link(entry, target)
+            elif entry.is_dir():
+                shutil.copytree(entry, target)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(entry, target)
     for f in sorted(ws.stay_memories.glob("*.npz")) if ws.stay_memories.exists() else []:
         if str(f) not in deleted:
             _link(f, view.stay_memories / f.name)
@@ -64,9 +89,11 @@ def prepare(ws: Workspace, txn: Transaction, subjects: list[int]) -> PreparedRun
     return rerun(open_view(ws, txn, subjects), last_run_of=ws)
 
 
-def finish(ws: Workspace, txn: Transaction, run: PreparedRun, memory_info: dict | None) -> list[str]:
+def finish(ws: Workspace, txn: Transaction, run: PreparedRun, memory_info: dict | None,
+           subjects: list[int]) -> list[str]:
     """Scoring (only the stays whose streams or setting changed), statistics and the report over the view,
-    then every output staged into the transaction. Returns what was recomputed."""
+    then every output staged into the transaction, the subjects' shards of the per-stay caches compacted
+    without them. Returns what was recomputed."""
     view = run.ws
     result, _ = run.score(process_pool_map, described=ws)
     result = result.with_metadata(recomputed_by="a deletion (replay): every number is as a run without the patient")
@@ -78,6 +105,12 @@ def finish(ws: Workspace, txn: Transaction, run: PreparedRun, memory_info: dict 
     outputs += [(f, ws.labels / f.name) for f in sorted(view.labels.glob("*.parquet"))]
     outputs += [(f, ws.stay_memories / f.name) for f in sorted(view.stay_memories.glob("*.npz"))
                 if not f.is_symlink()]
+    for entry in _touched_cache(ws, subjects):
+        copy = view.cache / entry.relative_to(ws.cache)
+        if copy.exists():
+            outputs.append((copy, entry))
+        else:
+            txn.delete(entry)
     for src, final in outputs:
         os.replace(src, txn.stage(final))
     return list(RECOMPUTED)

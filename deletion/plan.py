@@ -38,10 +38,10 @@ def scan_subject(ws: Workspace, subject_id: int) -> tuple:
     shard = shard_of(ws.store, sid)
     found["events"] = pl.scan_parquet(shard).filter(pl.col("subject_id") == sid).select(pl.len()).collect().item() \
         if shard.exists() else 0
-    qfiles = sorted((ws.store / "quarantine").glob("*.parquet"))
+    qfiles = quarantine_files(ws.store)
     found["quarantine"] = pl.scan_parquet(qfiles).filter(pl.col("subject_id") == sid).select(pl.len()).collect() \
         .item() if qfiles else 0
-    stays_file = ws.store / "stays.parquet"
+    stays_file = stays_path(ws.store)
     stay_ids = []
     if stays_file.exists():
         stays = pl.read_parquet(stays_file).filter(pl.col("subject_id") == sid)
@@ -135,7 +135,7 @@ def scored_subjects(ws: Workspace) -> list[int]:
     only: the patients whose deletion reaches results and the cohort memory."""
     refs = set(pl.scan_parquet(ws.results).select(pl.col("subject_ref").unique()).collect()["subject_ref"].to_list())
     key = store_key(ws.store, ws.root)
-    subjects = pl.scan_parquet(ws.store / "stays.parquet").select(pl.col("subject_id").unique().sort()).collect()
+    subjects = pl.scan_parquet(stays_path(ws.store)).select(pl.col("subject_id").unique().sort()).collect()
     return [s for s in subjects["subject_id"].to_list() if subject_ref(s, key) in refs]
 
 

@@ -150,10 +150,12 @@ def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> 
                   "stays": in_stays[sid]} for sid in sids}
 
 
-def remove_stay_artifacts(ws: Workspace, txn: Transaction, stay_files: dict[int, list]) -> dict[int, dict]:
+def remove_stay_artifacts(ws: Workspace, txn: Transaction, stay_files: dict[int, list],
+                          drop_cache: bool = True) -> dict[int, dict]:
     """Per-stay results and memories (each holds one patient); the learned-key encoder, trained on the training
     split and so possibly on these patients (the next run retrains it). ``stay_files``: per subject, their stays'
-    memory files. Per subject, what was removed."""
+    memory files. ``drop_cache``: drop the subjects' shards of the per-stay caches (a replay that reruns the run
+    compacts them instead, :mod:`.derived`). Per subject, what was removed."""
     sids = sorted(stay_files)
     labels = _labels(ws, txn, sids)
     results = dict.fromkeys(sids, 0)
@@ -166,8 +168,8 @@ def remove_stay_artifacts(ws: Workspace, txn: Transaction, stay_files: dict[int,
         res.filter(~mine).sink_parquet(txn.stage(ws.results))
     # The per-stay caches are keyed by content, not by patient: each subject's whole shard of them goes (the
     # next run recomputes that shard's stays), so nothing computed from their rows survives in the cache.
-    dropped = {}
-    for sid in sids:
+    dropped = dict.fromkeys(sids, [])
+    for sid in sids if drop_cache else []:
         shard = int(sid) % N_BUCKETS
         dropped[sid] = [d for d in sorted(ws.cache.glob(f"*/{shard}")) + sorted(ws.cache.glob(f"*/{shard}.json"))
                         if d.exists()]
@@ -179,6 +181,6 @@ def remove_stay_artifacts(ws: Workspace, txn: Transaction, stay_files: dict[int,
     if encoder:
         txn.delete(ws.encoder)
     return {sid: {"label_rows": labels[sid], "per_stay_result_rows": results[sid],
-                  "cache_shard_entries": len(dropped[sid]), "per_stay_memories": len(stay_files[sid]),
+                  "cache_shard_entries_dropped": len(dropped[sid]), "per_stay_memories": len(stay_files[sid]),
                   **({"learned_key_encoder": "deleted; retrained by the next scheduled run"} if encoder else {})}
             for sid in sids}

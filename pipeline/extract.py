@@ -40,8 +40,9 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, N_BUCKETS, R
                             csv_reader, dictionary_selects, event_selects, header_names, quarantine_reason,
                             sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
-                   codes_metadata_path, events_glob, is_meds_dataset, meds_shards, read_codes_metadata, shard_files,
-                   shard_of, stage_meds, write_codes_metadata, write_dataset_metadata, write_shard)
+                   codes_metadata_path, events_glob, is_meds_dataset, meds_shards, quarantine_dir, quarantine_files,
+                   read_codes_metadata, shard_files, shard_of, stage_meds, stays_path, write_codes_metadata,
+                   write_dataset_metadata, write_shard)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 
@@ -337,7 +338,7 @@ def _judge(con, out) -> None:
     con.execute("""CREATE TEMP TABLE numbered AS SELECT *,
                    row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
     seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(d / g)})"
-            for d, g in ((out / "data", "*.parquet"), (out / "quarantine", "*.parquet")) if any(d.glob(g))]
+            for d, g in ((out / "data", "*.parquet"), (quarantine_dir(out), "*.parquet")) if any(d.glob(g))]
     anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
             f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
     con.execute(f"CREATE TEMP TABLE fresh AS SELECT * FROM numbered j WHERE TRUE {anti}")
@@ -358,7 +359,7 @@ def _write_new(con, out, run_id) -> int:
                              f"AND subject_id % {N_BUCKETS} = ?) ORDER BY {SHARD_ORDER}", shard, [k])
             advance()
     if con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]:
-        (out / "quarantine").mkdir(exist_ok=True)
+        quarantine_dir(out).mkdir(exist_ok=True)
         con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
                             stay_id, source_table, reason, event_hash, occurrence FROM fresh
                      WHERE reason IS NOT NULL) TO {sql_literal(out / 'quarantine' / f'run-{run_id}.parquet')}
@@ -391,8 +392,8 @@ def _summarise(con, changed, summary, manifest, groups: dict) -> None:
 def _write_stays(con, out) -> None:
     """The stay table for cohorts (all stays not suppressed, rewritten at every run)."""
     con.execute(f"COPY (SELECT {', '.join(STAY_COLUMNS)} FROM stays ORDER BY subject_id, intime) "
-                f"TO {sql_literal(out / 'stays.parquet.tmp')} (FORMAT parquet)")
-    os.replace(out / "stays.parquet.tmp", out / "stays.parquet")
+                f"TO {sql_literal(f'{stays_path(out)}.tmp')} (FORMAT parquet)")
+    os.replace(f"{stays_path(out)}.tmp", stays_path(out))
 
 
 def _open_store(out, key):
@@ -544,7 +545,7 @@ def store_codes(store: Path) -> list[str]:
 
 def quarantine_reasons(store: Path) -> dict[str, int]:
     """Rows the extraction rejected, by the rule that rejected them (empty when nothing was rejected)."""
-    files = sorted((Path(store) / "quarantine").glob("*.parquet"))
+    files = quarantine_files(store)
     if not files:
         return {}
     counts = pl.scan_parquet(files).group_by("reason").len().sort("reason").collect()

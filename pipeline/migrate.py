@@ -32,7 +32,7 @@ import polars as pl
 from .evidence import CHECKPOINT, LEDGER, canonical, load_signing_key, new_entry, read_log, receipt_path, sha256_text
 from .extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE, N_BUCKETS, sql_literal
 from .locking import workspace_lock
-from .meds import (EVENT_COLUMNS, SHARD_ORDER, codes_metadata_path, shard_of, write_codes_metadata,
+from .meds import (EVENT_COLUMNS, SHARD_ORDER, codes_metadata_path, quarantine_files, shard_of, write_codes_metadata,
                    write_dataset_metadata, write_shard)
 from .privacy import id_refs, stay_ref, store_key
 
@@ -204,7 +204,7 @@ def _rewrite_events(store: Path, fix: str) -> None:
     con = duckdb.connect()
     for f in sorted((store / "data").glob("*.parquet")):
         write_shard(con, f"SELECT * REPLACE ({fix}) FROM read_parquet({sql_literal(f)}) ORDER BY {SHARD_ORDER}", f)
-    for f in sorted((store / "quarantine").glob("*.parquet")):
+    for f in quarantine_files(store):
         tmp = f.with_suffix(".tmp")
         con.execute(f"COPY (SELECT * REPLACE ({fix}) FROM read_parquet({sql_literal(f)})) TO {sql_literal(tmp)} "
                     f"(FORMAT parquet)")

@@ -441,6 +441,14 @@ def _at_a_glance(result: RunResult, declared: dict) -> str:
             f'<p class="finding"><b>Primary finding.</b> {_lead_sentence(summary, paired, declared)}</p></section>')
 
 
+def mark_stale(report_html: str, reason: str) -> str:
+    """A report's HTML with a banner at the top of its body saying why its numbers are out of date (the next
+    scheduled run regenerates the report)."""
+    banner = (f"<p style='background:#fde;border:2px solid #c00;padding:8px'><b>Stale:</b> {html.escape(reason)}; "
+              f"the next scheduled run regenerates it.</p>")
+    return report_html.replace("<body>", "<body>" + banner, 1)
+
+
 def _jsonable(o):
     return dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
 

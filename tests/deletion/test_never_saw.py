@@ -16,7 +16,7 @@ from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.evidence import TrustAnchor, load_signing_key, public_hex, verify_certificate
-from pipeline.privacy import keyed_hash, load_key, subject_ref
+from pipeline.privacy import keyed_hash, load_key, stay_ref, subject_ref
 from pipeline.workspace import Workspace
 from reports.html import render_report
 from run.cohort_memory import update_cohort_memory
@@ -105,12 +105,20 @@ def test_one_replay_of_several_patients_of_both_splits_leaves_what_a_run_that_ne
     sids = [s for s in subjects if is_eval_subject(s, cfg)][:2] + \
         [s for s in subjects if not is_eval_subject(s, cfg)][:2]
     deleted = copy_ws(ws, tmp_path / "deleted")
+    gone = {stay_ref(s, load_key()) for s in pl.read_parquet(ws.store / "stays.parquet")
+            .filter(pl.col("subject_id").is_in(sids))["stay_id"].to_list()}
+    cached = {k for f in ws.cache.glob("index/*.json") for r, k in json.loads(f.read_text())["keys"].items()
+              if r in gone}
     issued = delete_subjects(deleted, sids, mode="replay")
     assert len(issued) == 4 and len({path for _, path in issued}) == 4
     for (cert, path), sid in zip(issued, sorted(sids)):
         assert cert["subject_hash"] == keyed_hash(sid, load_key()) and cert["deleted_together"]["patients"] == 4
         assert verify_certificate(path, None, TrustAnchor(public_hex(load_signing_key(deleted.root)), "test")) == []
     assert_equal_workspaces(deleted, never_saw(source, tmp_path, sids))
+    # their shards of the per-stay caches were compacted, not dropped: no entry of their stays is left
+    left = {k for kind in ("tokens", "facts", "fired", "codes") for p in (deleted.cache / kind).glob("*/*.parquet")
+            for k in pl.read_parquet(p, columns=["key"])["key"].to_list()}
+    assert cached and not cached & left and left
 
 
 @pytest.mark.slow
