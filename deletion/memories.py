@@ -8,8 +8,8 @@ import numpy as np
 from memory.cohort import CohortMemory
 from memory.errors import InfeasibleError
 from memory.refit import verify_against_refit
-from run.cohort_memory import (CohortRows, StreamMode, checkpoint_tokens, copy_checkpoint_extras, load_scaler,
-                               memory_info, save_scaler, scaler_file)
+from run.cohort_memory import (CohortRows, SnapshotWriter, StreamMode, checkpoint_tokens, copy_checkpoint_extras,
+                               load_scaler, memory_info, save_scaler, scaler_file)
 
 from .plan import DeletionFailed, owner
 
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
     from cohorts.definitions import CohortConfig
+    from collections.abc import Callable
+
     from run.cohort_memory import TokenScaling
 
 VERIFY_MAX_DEV = 1e-8
@@ -30,6 +32,27 @@ def _subjects_rows(ws, cfg, ckpt, sids, cache):
     if (mode, stats) not in cache:
         cache[(mode, stats)] = CohortRows(ws, mode, load_scaler(ckpt), cfg).of_subjects(sids)
     return cache[(mode, stats)]
+
+
+def _first_order_keys(ws: Workspace, cfg: CohortConfig, sids: frozenset) -> dict:
+    """Per stream mode of the workspace's snapshots in which the subjects have rows, their first order key (an
+    order key does not depend on the key statistics)."""
+    out = {}
+    for s in ws.snapshots():
+        mode = checkpoint_tokens(s)
+        if mode not in out:
+            order, _ = CohortRows(ws, mode, load_scaler(s), cfg).of_subjects(sids)
+            out[mode] = min(order) if order else None
+    return {mode: o for mode, o in out.items() if o is not None}
+
+
+def _drop_snapshots_that_saw(ws: Workspace, txn: Transaction, refs: dict, first: dict) -> None:
+    """Snapshots holding a subject's tokens, or fed past a subject's first row, go; those before every subject's
+    first row stay (they are replay bases that never saw them)."""
+    for s in ws.snapshots():
+        cm, mode = CohortMemory.load(s), checkpoint_tokens(s)
+        if any(cm.tokens_of(r) for r in refs) or (mode in first and cm.watermark >= first[mode]):
+            txn.delete(s)
 
 
 def _verify(cm, removed_keys, n_jitter):
@@ -58,6 +81,7 @@ def decrement(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozense
     tokens removed of each subject, the verification and the digests before and after."""
     memories, verification, digests, rows_of = {}, {}, {}, {}
     refs = {owner(ws, sid): sid for sid in sids}
+    _drop_snapshots_that_saw(ws, txn, refs, _first_order_keys(ws, cfg, sids))
     ckpts = ws.checkpoints()
     for c in ckpts:
         cm = CohortMemory.load(c)
@@ -85,10 +109,13 @@ def decrement(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozense
     return memories, verification, digests
 
 
-def _replayed(ws: Workspace, cfg: CohortConfig, sids: frozenset, scaler: TokenScaling | None) -> tuple:
-    """The latest checkpoint re-streamed without the subjects, from the last checkpoint that saw none of them
-    (or from empty): (checkpoints, the latest as it is, its stream mode, the scaling, the clean bases, the
-    replayed memory)."""
+def _replayed(ws: Workspace, cfg: CohortConfig, sids: frozenset, scaler: TokenScaling | None,
+              snapshots: Callable | None = None) -> tuple:
+    """The latest checkpoint re-streamed without the subjects, from the latest checkpoint or snapshot that saw
+    none of them (or from empty): (checkpoints, the latest as it is, its stream mode, the scaling, the clean
+    checkpoints, the base, the replayed memory). Feeding the same rows in the same order from a saved state
+    gives the memory feeding them from the start gives, bit for bit. ``snapshots(folder, scaler, tokens)``: a
+    :class:`SnapshotWriter` for the re-feed (a deletion stages the replayed memory's new snapshots)."""
     ckpts = ws.checkpoints()
     latest = CohortMemory.load(ckpts[-1])
     tokens = checkpoint_tokens(ckpts[-1])
@@ -102,10 +129,15 @@ def _replayed(ws: Workspace, cfg: CohortConfig, sids: frozenset, scaler: TokenSc
     same_keys = [c for c in ckpts if checkpoint_tokens(c) is tokens and
                  (not hourly or load_scaler(c).as_dict() == scaler.as_dict())]
     clean = [c for c in same_keys if first is None or CohortMemory.load(c).watermark < first]
-    base = CohortMemory.load(clean[-1]) if clean else CohortMemory(budget=latest.policy.budget,
-                                                                   gamma=latest.gamma, nu=latest.policy.nu)
-    rows.feed(base, upto=latest.watermark, exclude=frozenset(sids))
-    return ckpts, latest, tokens, scaler, clean, base
+    bases = clean + [s for s in ws.snapshots() if checkpoint_tokens(s) is tokens and
+                     (not hourly or load_scaler(s).as_dict() == scaler.as_dict()) and
+                     (first is None or CohortMemory.load(s).watermark < first)]
+    start = max(bases, key=lambda b: CohortMemory.load(b).watermark, default=None)
+    base = CohortMemory.load(start) if start is not None else \
+        CohortMemory(budget=latest.policy.budget, gamma=latest.gamma, nu=latest.policy.nu)
+    writer = snapshots(ws.cohort_snapshots / ckpts[-1].name, scaler, tokens) if snapshots is not None else None
+    rows.feed(base, upto=latest.watermark, exclude=frozenset(sids), snapshots=writer)
+    return ckpts, latest, tokens, scaler, clean, start, base
 
 
 def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, n_jitter: int,
@@ -115,8 +147,12 @@ def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, 
     persisted with the memory."""
     if not ws.checkpoints():
         return {}, {}, {}
-    ckpts, latest, tokens, scaler, clean, base = _replayed(ws, cfg, sids, scaler)
     refs = {owner(ws, sid): sid for sid in sids}
+    first = _first_order_keys(ws, cfg, sids)
+    # snapshots that saw a subject go (those before every subject's first row stay: replay bases)
+    _drop_snapshots_that_saw(ws, txn, refs, first)
+    ckpts, latest, tokens, scaler, clean, start, base = _replayed(
+        ws, cfg, sids, scaler, lambda folder, sc, mode: SnapshotWriter(folder, sc, mode, stage=txn.stage))
     before = latest.memory.state_digest()
     # the other mode's checkpoints are history: removed only where they hold a subject
     tainted = [c for c in ckpts if c not in clean and (checkpoint_tokens(c) is tokens or
@@ -126,7 +162,9 @@ def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, 
     target = ckpts[-1]
     save_scaler(scaler, _stage(txn, target, base), tokens)
     verification = {target.name: _verify(base, None, n_jitter)}
-    verification[target.name]["replayed_from"] = clean[-1].name if clean else "empty memory"
+    verification[target.name]["replayed_from"] = (f"snapshot {start.parent.name}/{start.name}" if start is not None
+                                                  and start not in clean else start.name if start is not None
+                                                  else "empty memory")
     verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
     return ({target.name: {sid: len(latest.tokens_of(ref)) for ref, sid in refs.items()}}, verification,
             {target.name: {"before": before, "after": base.memory.state_digest()}})

@@ -49,7 +49,8 @@ def scan_subject(ws: Workspace, subject_id: int) -> tuple:
         found["stays"] = stays.height
     found["per_stay_results"] = results_of(ws, sid).select(pl.len()).collect().item() if ws.results.exists() else 0
     ref = owner(ws, sid) if ws.checkpoints() else None
-    found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(ref)) for c in ws.checkpoints())
+    found["cohort_memory_tokens"] = sum(len(CohortMemory.load(c).tokens_of(ref))
+                                        for c in [*ws.checkpoints(), *ws.snapshots()])
     return found, stay_ids
 
 

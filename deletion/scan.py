@@ -46,7 +46,8 @@ def residual_scan(ws: Workspace, txn: Transaction, stay_files: dict[int, list]) 
             add(_rows_in(staged.get(str(f), f), refs))
     memories = [CohortMemory.load(src) for src in staged.values()
                 if Path(src).is_dir() and (Path(src) / "memory.npz").exists()]
-    memories += [CohortMemory.load(c) for c in ws.checkpoints() if str(c) not in deleted and str(c) not in staged]
+    memories += [CohortMemory.load(c) for c in [*ws.checkpoints(), *ws.snapshots()]
+                 if str(c) not in deleted and str(c) not in staged]
     for cm in memories:
         for t in cm.memory.token_ids():
             if owner_of(t) in refs:

@@ -21,6 +21,8 @@ class Workspace:
     labels = property(lambda self: self.root / "labels")                # MEDS label files of the last run
     stay_memories = property(lambda self: self.root / "memories" / "stays")
     cohort_checkpoints = property(lambda self: self.root / "memories" / "cohort" / "checkpoints")
+    # the cohort memory as it was part way through a feed: where a replay deletion starts from
+    cohort_snapshots = property(lambda self: self.root / "memories" / "cohort" / "snapshots")
     encoder = property(lambda self: self.root / "models" / "encoder.pt")  # learned event keys
     report_html = property(lambda self: self.root / "report.html")
     report_json = property(lambda self: self.root / "report.json")
@@ -42,6 +44,11 @@ class Workspace:
         d = self.cohort_checkpoints
         return sorted((p for p in d.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
                       key=lambda p: p.name) if d.exists() else []
+
+    def snapshots(self) -> list:
+        """Cohort-memory snapshots (``snapshots/<checkpoint>/<NNNNNN>``), in the order they were written."""
+        d = self.cohort_snapshots
+        return sorted(p for p in d.glob("*/*") if p.is_dir() and not p.name.endswith(".tmp")) if d.exists() else []
 
     def generation(self) -> int:
         """Bumped by every deletion: part of every cache key over the store's content."""

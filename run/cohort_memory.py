@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 STREAM_FILE = "stream.json"          # a checkpoint's stream mode
 SCALER_FILES = {StreamMode.EVENTS: "keyer.parquet", StreamMode.HOURLY: "token_scaling.json"}
 FEED_BLOCK = 2048                    # tokens fed between progress reports
+SNAPSHOTS_PER_FEED = 16              # a feed saves the memory this many times at most (replay bases)
+SNAPSHOT_MIN_TOKENS = 4 * FEED_BLOCK # and never more often than this
+SNAPSHOTS_KEPT = 64                  # the newest snapshots kept (each is one budgeted memory, ~100 KB)
 
 
 def checkpoint_tokens(ckpt: Path) -> StreamMode:
@@ -67,6 +70,33 @@ def cohort_memory_gamma(cfg: CohortConfig, tokens: StreamMode) -> float:
     """Kernel width of the cohort memory: the fixed-context sigma on token keys, 0.5 on 13-d event keys."""
     hourly = StreamMode(tokens) is StreamMode.HOURLY
     return 1.0 / cfg.fixed_context.sigma ** 2 if hourly else 0.5
+
+
+class SnapshotWriter:
+    """Saves the memory being fed every ``1 / SNAPSHOTS_PER_FEED`` of the feed (at least SNAPSHOT_MIN_TOKENS
+    apart) into ``folder/NNNNNN`` with its key statistics: the bases a replay deletion starts from, the latest
+    before the deleted patients' first token, instead of re-feeding the cohort from the start. ``stage(path)``:
+    where a snapshot of ``path`` is written (a deletion's transaction stages it)."""
+
+    def __init__(self, folder: Path, scaler: TokenScaling | EventKeyer, tokens: StreamMode,
+                 stage: Callable[[Path], Path] | None = None):
+        self.folder, self.scaler, self.tokens, self.stage = folder, scaler, StreamMode(tokens), stage
+        taken = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+        self.count, self.since, self.every = max(taken, default=-1) + 1, 0, SNAPSHOT_MIN_TOKENS
+
+    def set_total(self, total: int) -> None:
+        self.every = max(SNAPSHOT_MIN_TOKENS, -(-total // SNAPSHOTS_PER_FEED))
+
+    def __call__(self, mem: CohortMemory, fed: int) -> None:
+        self.since += fed
+        if self.since < self.every:
+            return
+        self.since = 0
+        final = self.folder / f"{self.count:06d}"
+        target = self.stage(final) if self.stage is not None else final
+        mem.save(target)
+        save_scaler(self.scaler, target, self.tokens)
+        self.count += 1
 
 
 class CohortRows:
@@ -115,9 +145,10 @@ class CohortRows:
         return total % DIGEST_MOD
 
     def feed(self, mem: CohortMemory, on_fed: Callable | None = None, upto: str | None = None,
-             exclude: frozenset = frozenset()) -> None:
+             exclude: frozenset = frozenset(), snapshots: SnapshotWriter | None = None) -> None:
         """Feed ``mem`` the rows after its watermark (and at or before ``upto``), without the subjects in
-        ``exclude``, in order. ``on_fed(n)``: told every block fed (progress; ``on_fed.set_total`` first)."""
+        ``exclude``, in order. ``on_fed(n)``: told every block fed (progress; ``on_fed.set_total`` first);
+        ``snapshots``: saves the memory along the way."""
         if not self.hourly:
             ev = self.events
             todo = [i for i, (o, s) in enumerate(zip(ev.order_keys, ev.subject_ids))
@@ -128,13 +159,16 @@ class CohortRows:
         else:
             rows = self._ordered(after=mem.watermark, upto=upto, exclude=exclude)
             blocks = ((b.keys, b.token_ids, b.order_keys) for b in rows.batches(FEED_BLOCK))
-            total = rows.count() if on_fed is not None else 0
-        if on_fed is not None:
-            on_fed.set_total(total)
+            total = rows.count() if on_fed is not None or snapshots is not None else 0
+        for told in (on_fed, snapshots):
+            if told is not None:
+                told.set_total(total)
         for keys, ids, order in blocks:
             mem.feed(keys, ids, order)
             if on_fed is not None:
                 on_fed(len(order))
+            if snapshots is not None:
+                snapshots(mem, len(order))
 
     def of_subjects(self, subject_ids: frozenset) -> tuple[list[str], np.ndarray]:
         """Those subjects' rows as this input holds them, in order: (order keys, keys), read from their shards."""
@@ -177,13 +211,17 @@ def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget:
         history = {"checked": True, "changed_before_watermark": True,
                    "rebuilt_from": base.name if base else "empty memory"}
         mem = base_mem or CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu)
+        for stale in ws.snapshots():     # fed rows that are no longer the store's: no snapshot is a base now
+            shutil.rmtree(stale)
     fed_before = mem.fed
-    rows.feed(mem, on_fed)
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    rows.feed(mem, on_fed, snapshots=SnapshotWriter(ws.cohort_snapshots / target.name, rows.scaler, tokens))
     target.parent.mkdir(parents=True, exist_ok=True)
     mem.save(target)
     save_scaler(rows.scaler, target, tokens)
+    for old in ws.snapshots()[:-SNAPSHOTS_KEPT]:
+        shutil.rmtree(old)
     return memory_info(mem, target.name, tokens, mem.fed - fed_before, history)
 
 

@@ -2,9 +2,10 @@
 changed.
 
 One folder of parquet parts per kind and shard, ``WS/cache/<kind>/<K>/`` (:attr:`Workspace.cache`), whose rows
-carry a ``key`` column: a content key (a digest of the stay's rows, the config and the code, see :mod:`cohorts.stay_chunks`), never an
-identifier. A run reads the keys present, computes the missing ones, and rewrites the shard's table with the
-keys still wanted (entries of stays that changed or left, a deleted patient's among them, are dropped).
+carry a ``key`` column: a content key (a digest of the stay's rows, the config and the code, see
+:mod:`cohorts.stay_chunks`), never an identifier. A run reads the keys present, computes the missing ones, and
+rewrites the shard's table with the keys still wanted (entries of stays that changed or left, a deleted
+patient's among them, are dropped).
 """
 from __future__ import annotations
 

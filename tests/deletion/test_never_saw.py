@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from cohorts.definitions import install_config, is_eval_subject, resolve_config, workspace_config
-from deletion import delete_subject, delete_subjects
+from deletion import DeletionFailed, delete_subject, delete_subjects
 from deletion.compare import compare_workspaces
 from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import extract
@@ -154,3 +154,35 @@ def test_decrement_states_what_it_leaves_different_and_measures_the_memory_s_dis
     assert difference["probe_queries"] > 0 and np.isfinite(difference["max_output_deviation"])
     assert cert["artifacts_marked_stale"]
     shutil.rmtree(deleted.root)
+
+
+@pytest.mark.slow
+def test_replay_starts_from_the_latest_snapshot_before_the_patient_and_equals_a_run_that_never_saw_them(
+        full, tmp_path, monkeypatch):
+    from run import cohort_memory
+    monkeypatch.setattr(cohort_memory, "SNAPSHOT_MIN_TOKENS", 64)       # snapshots even in a small cohort
+    monkeypatch.setattr(cohort_memory, "FEED_BLOCK", 32)
+    source, _ = full
+    ws = Workspace(tmp_path / "snapped")
+    extract(source, ws.store, key=load_key())
+    run(ws)
+    assert len(ws.snapshots()) >= 4
+    cfg, ckpt = workspace_config(ws.root), ws.checkpoints()[-1]
+    rows = cohort_memory.CohortRows(ws, "hourly", cohort_memory.load_scaler(ckpt), cfg)
+    first = {s: min(rows.of_subjects({s})[0]) for s in pl.read_parquet(ws.store / "stays.parquet")["subject_id"]
+             .unique().to_list() if rows.of_subjects({s})[0]}
+    sid = max(first, key=first.get)                 # their first row comes last: a late snapshot never saw them
+    decremented = copy_ws(ws, tmp_path / "decremented")
+    try:
+        cert, _ = delete_subject(decremented, sid, mode="decrement", compare_with_replay=False)
+        assert cert["residual_scan"]["rows_remaining"] == 0
+        assert all(CohortMemory.load(s).watermark < first[sid] for s in decremented.snapshots())
+    except DeletionFailed as e:     # the fixed-C memory may be unable to lose that many tokens
+        assert "use mode 'replay'" in str(e)
+    cert, _ = delete_subject(ws, sid, mode="replay")
+    (check,) = cert["verification"].values()
+    assert check["replayed_from"].startswith("snapshot ") and check["passed"]
+    for s in ws.snapshots():                        # what is left never saw them; the re-feed wrote new ones
+        assert CohortMemory.load(s).watermark < first[sid] or not CohortMemory.load(s).tokens_of(
+            subject_ref(sid, load_key()))
+    assert_equal_workspaces(ws, never_saw(source, tmp_path, [sid]))

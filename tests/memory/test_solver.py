@@ -316,7 +316,8 @@ def test_a_margin_set_that_outgrows_its_buffers_takes_the_same_path_in_larger_on
         roomy.add(x)
         small.add(x)
     assert small.state_digest() == roomy.state_digest() and small.kkt_residual() <= KKT_TOL
-    assert 2 < small._state.buf.KSS.shape[0] < small._state.cap and len(small.partition().margin) > small._state.buf.KSS.shape[0] // 2
+    margin_rows = small._state.buf.KSS.shape[0]
+    assert 2 < margin_rows < small._state.cap and len(small.partition().margin) > margin_rows // 2
     for _ in range(10):
         part = small.partition()
         removed = sorted(part.margin | part.bound)[int(rng.integers(len(part.margin | part.bound)))]
@@ -342,12 +343,13 @@ def test_near_atoms_are_re_evaluated_exactly_or_every_g_is_left_for_a_full_recom
     g_err = 1e-3
     g = exact.copy()
     g[reserve[:3]] = [-5e-4, 0.0, 5e-4]  # three near atoms, their maintained g off by up to the bound
-    worst = core._refresh_near(mem._state.buf.K, mem._state.buf.alpha, g, mem._state.buf.status, n, -1, mem.rho_, 1.0, g_err)
-    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(mem._state.buf.K, mem._state.buf.alpha, n, mem.rho_, 1.0, i)
+    buf = mem._state.buf
+    worst = core._refresh_near(buf.K, buf.alpha, g, buf.status, n, -1, mem.rho_, 1.0, g_err)
+    assert np.array_equal(g[reserve[:3]], [core._exact_g_one(buf.K, buf.alpha, n, mem.rho_, 1.0, i)
                                            for i in reserve[:3]])
     assert worst == max(0.0, -g[reserve[:3]].min()) and worst <= 1e-15
     g = exact.copy()
     g[reserve[:core._NEAR_EXACT + 1]] = 0.0
     before = g.copy()
-    assert core._refresh_near(mem._state.buf.K, mem._state.buf.alpha, g, mem._state.buf.status, n, -1, mem.rho_, 1.0, g_err) == -1.0
+    assert core._refresh_near(buf.K, buf.alpha, g, buf.status, n, -1, mem.rho_, 1.0, g_err) == -1.0
     assert np.array_equal(g, before)
