@@ -22,7 +22,7 @@ from cohorts.definitions import workspace_config_path
 from pipeline.extract_rules import N_BUCKETS
 from pipeline.workspace import Workspace
 from reports.html import render_report
-from run.evaluate import PreparedRun, StreamMode, process_pool_map, rerun, saved_params
+from run.evaluate import PreparedRun, process_pool_map, rerun, rerun_params
 
 if TYPE_CHECKING:
     from pipeline.transaction import Transaction
@@ -38,9 +38,8 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def reruns(ws: Workspace) -> bool:
-    """Whether a replay deletion reruns the workspace's last run (its parameters are of hourly tokens)."""
-    params = saved_params(ws)
-    return params is not None and params.tokens is StreamMode.HOURLY
+    """Whether a replay deletion reruns the workspace's last run (:func:`run.evaluate.rerun_params`)."""
+    return rerun_params(ws) is not None
 
 
 def _touched_cache(ws: Workspace, subjects: list[int]) -> list[Path]:

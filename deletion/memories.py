@@ -14,6 +14,8 @@ from run.cohort_memory import (CohortRows, SnapshotWriter, StreamMode, checkpoin
 from .plan import DeletionFailed, owner
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
     from cohorts.definitions import CohortConfig
@@ -34,16 +36,16 @@ def _subjects_rows(ws, cfg, ckpt, sids, cache):
     return cache[(mode, stats)]
 
 
-def _first_order_keys(ws: Workspace, cfg: CohortConfig, sids: frozenset) -> dict:
+def _first_order_keys(ws: Workspace, cfg: CohortConfig, sids: frozenset, cache: dict) -> dict:
     """Per stream mode of the workspace's snapshots in which the subjects have rows, their first order key (an
-    order key does not depend on the key statistics)."""
+    order key does not depend on the key statistics); ``cache``: :func:`_subjects_rows`'s."""
     out = {}
     for s in ws.snapshots():
-        mode = checkpoint_tokens(s)
-        if mode not in out:
-            order, _ = CohortRows(ws, mode, load_scaler(s), cfg).of_subjects(sids)
-            out[mode] = min(order) if order else None
-    return {mode: o for mode, o in out.items() if o is not None}
+        order, _ = _subjects_rows(ws, cfg, s, sids, cache)
+        if order:
+            mode, first = checkpoint_tokens(s), min(order)
+            out[mode] = min(out.get(mode, first), first)
+    return out
 
 
 def _drop_snapshots_that_saw(ws: Workspace, txn: Transaction, refs: dict, first: dict) -> None:
@@ -81,7 +83,7 @@ def decrement(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozense
     tokens removed of each subject, the verification and the digests before and after."""
     memories, verification, digests, rows_of = {}, {}, {}, {}
     refs = {owner(ws, sid): sid for sid in sids}
-    _drop_snapshots_that_saw(ws, txn, refs, _first_order_keys(ws, cfg, sids))
+    _drop_snapshots_that_saw(ws, txn, refs, _first_order_keys(ws, cfg, sids, rows_of))
     ckpts = ws.checkpoints()
     for c in ckpts:
         cm = CohortMemory.load(c)
@@ -128,11 +130,11 @@ def _replayed(ws: Workspace, cfg: CohortConfig, sids: frozenset, scaler: TokenSc
     # checkpoint of the other stream mode is never a replay base, nor one keyed under other scaling
     same_keys = [c for c in ckpts if checkpoint_tokens(c) is tokens and
                  (not hourly or load_scaler(c).as_dict() == scaler.as_dict())]
-    clean = [c for c in same_keys if first is None or CohortMemory.load(c).watermark < first]
+    clean = [c for c in same_keys if first is None or CohortMemory.saved_watermark(c) < first]
     bases = clean + [s for s in ws.snapshots() if checkpoint_tokens(s) is tokens and
                      (not hourly or load_scaler(s).as_dict() == scaler.as_dict()) and
-                     (first is None or CohortMemory.load(s).watermark < first)]
-    start = max(bases, key=lambda b: CohortMemory.load(b).watermark, default=None)
+                     (first is None or CohortMemory.saved_watermark(s) < first)]
+    start = max(bases, key=CohortMemory.saved_watermark, default=None)
     base = CohortMemory.load(start) if start is not None else \
         CohortMemory(budget=latest.policy.budget, gamma=latest.gamma, nu=latest.policy.nu)
     writer = snapshots(ws.cohort_snapshots / ckpts[-1].name, scaler, tokens) if snapshots is not None else None
@@ -148,7 +150,7 @@ def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, 
     if not ws.checkpoints():
         return {}, {}, {}
     refs = {owner(ws, sid): sid for sid in sids}
-    first = _first_order_keys(ws, cfg, sids)
+    first = _first_order_keys(ws, cfg, sids, {})
     # snapshots that saw a subject go (those before every subject's first row stay: replay bases)
     _drop_snapshots_that_saw(ws, txn, refs, first)
     ckpts, latest, tokens, scaler, clean, start, base = _replayed(
@@ -162,12 +164,17 @@ def replay(ws: Workspace, cfg: CohortConfig, txn: Transaction, sids: frozenset, 
     target = ckpts[-1]
     save_scaler(scaler, _stage(txn, target, base), tokens)
     verification = {target.name: _verify(base, None, n_jitter)}
-    verification[target.name]["replayed_from"] = (f"snapshot {start.parent.name}/{start.name}" if start is not None
-                                                  and start not in clean else start.name if start is not None
-                                                  else "empty memory")
+    verification[target.name]["replayed_from"] = _base_name(start, clean)
     verification[target.name]["checkpoints_removed"] = [c.name for c in tainted if c != target]
     return ({target.name: {sid: len(latest.tokens_of(ref)) for ref, sid in refs.items()}}, verification,
             {target.name: {"before": before, "after": base.memory.state_digest()}})
+
+
+def _base_name(start: Path | None, clean: list[Path]) -> str:
+    """What a replay started from: a checkpoint, a snapshot (``checkpoint/NNNNNN``) or the empty memory."""
+    if start is None:
+        return "empty memory"
+    return start.name if start in clean else f"snapshot {start.parent.name}/{start.name}"
 
 
 def never_saw_difference(ws: Workspace, cfg: CohortConfig, sids: frozenset, decremented: CohortMemory,

@@ -75,16 +75,16 @@ def check_subject(ws: Workspace, subject_id: int) -> tuple | None:
     raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
 
 
-def check_subjects(ws: Workspace, subject_ids: list[int]) -> dict[int, str | None]:
-    """Per subject, why they cannot be deleted (unknown to the workspace, or deleted before, with the
-    certificate), or None when the workspace holds them. Read-only, as :func:`check_subject`."""
+def check_subjects(ws: Workspace, subject_ids: list[int]) -> dict[int, Exception | None]:
+    """Per subject, why they cannot be deleted (UnknownSubjectError, or AlreadyDeleted naming the certificate),
+    or None when the workspace holds them. Read-only, as :func:`check_subject`."""
     out = {}
     for sid in sorted({int(s) for s in subject_ids}):
         try:
             check_subject(ws, sid)
             out[sid] = None
         except (AlreadyDeleted, UnknownSubjectError) as e:
-            out[sid] = str(e)
+            out[sid] = e
     return out
 
 

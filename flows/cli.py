@@ -206,8 +206,8 @@ def _deletable(args, ws) -> list[int]:
     status = check_subjects(ws, _requested_ids(args))
     left = [sid for sid, why in status.items() if why is None]
     skipped = {sid: why for sid, why in status.items() if why is not None}
-    if skipped and not left and all("already deleted" in why for why in skipped.values()):
-        raise AlreadyDeleted("; ".join(skipped.values()))
+    if skipped and not left and all(isinstance(why, AlreadyDeleted) for why in skipped.values()):
+        raise AlreadyDeleted("; ".join(map(str, skipped.values())))
     if skipped and not (args.skip_unknown and left):
         listed = "; ".join(f"subject {sid}: {why}" for sid, why in skipped.items())
         raise ValueError(f"{len(skipped)} of {len(status)} subject(s) cannot be deleted, so none is (--skip-unknown "

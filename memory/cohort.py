@@ -93,6 +93,11 @@ class CohortMemory:
             shutil.rmtree(d)
         tmp.rename(d)
 
+    @staticmethod
+    def saved_watermark(directory: Path) -> str:
+        """The watermark of a saved memory, from its metadata alone (no solver state is loaded)."""
+        return json.loads((Path(directory) / "meta.json").read_text())["watermark"]
+
     @classmethod
     def load(cls, directory: Path) -> CohortMemory:
         d = Path(directory)

@@ -154,14 +154,19 @@ def saved_params(ws: Workspace) -> RunParams | None:
                      source=None if source in (None, EMBEDDED_SOURCE) else source)
 
 
+def rerun_params(ws: Workspace) -> RunParams | None:
+    """The parameters of the workspace's last run when a recomputation can rerun it; None when it had no run or
+    one of raw events (a raw-events run keys its events with statistics that a deletion does not refit)."""
+    params = saved_params(ws)
+    return params if params is not None and params.tokens is StreamMode.HOURLY else None
+
+
 def rerun(ws: Workspace, last_run_of: Workspace | None = None) -> PreparedRun | None:
     """The last run of ``last_run_of`` (default: ``ws``) prepared again, with its parameters, over ``ws`` as it
-    is now (a deletion's view of the workspace) under ``ws``'s config: None when that run was not of hourly tokens
-    (a raw-events run keys its events with statistics that a deletion does not refit)."""
-    params = saved_params(last_run_of or ws)
-    if params is None or params.tokens is not StreamMode.HOURLY:
-        return None
-    return prepare(ws, params)
+    is now (a deletion's view of the workspace) under ``ws``'s config: None when it cannot be rerun
+    (:func:`rerun_params`)."""
+    params = rerun_params(last_run_of or ws)
+    return prepare(ws, params) if params is not None else None
 
 
 def evaluate(ws: Workspace, params: RunParams, map_chunks: ChunkMap = process_pool_map,
