@@ -96,6 +96,16 @@ def phase_table(ws: Path, mon: TreeRSS) -> dict:
     return out
 
 
+def extract_split(ws: Path) -> list[tuple[str, float]]:
+    """The extraction's own steps (those recorded inside its phase) with their seconds, in the order they ran."""
+    rows = json.loads((ws / "run_phases.json").read_text())
+    outer = next((p for p in rows if p["phase"] == "extract"), None)
+    if outer is None:
+        return []
+    inner = [p for p in rows if p is not outer and outer["start"] <= p["start"] and p["end"] <= outer["end"]]
+    return [(p["phase"], p["end"] - p["start"]) for p in sorted(inner, key=lambda p: p["start"])]
+
+
 def bench_env(work: Path) -> dict:
     """The environment the bench's commands run in: their own Prefect server and PREFECT_HOME, a hash key and a
     signing key made once in ``work`` (outside every workspace), this checkout on the path; the bench's own
@@ -146,6 +156,10 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
     for ph in PHASES:
         s, g = res["phases"].get(ph, (float("nan"), float("nan")))
         print(f"  {ph:14s} {s:8.1f} s   peak {g:5.2f} GiB", flush=True)
+        if ph == "extract":
+            res["extract_split"] = extract_split(ws)
+            for name, secs in res["extract_split"]:
+                print(f"      {name:55s} {secs:7.1f} s", flush=True)
     if reruns:
         again, mon2, _ = forgetful(args, env)
         newer = add_new_rows(demo, src, work / f"src-{k}-plus", k)

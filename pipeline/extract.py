@@ -276,14 +276,9 @@ def _changed_files(files: dict, manifest: dict, summary: ExtractSummary) -> dict
 
 def _stage(con, paths, changed) -> None:
     """Temp tables ``stays`` (validated) and ``staged``: every event of the changed tables, typed."""
-    _read_whole_tables(con, paths)
-    con.execute(f"""CREATE TEMP TABLE stays AS SELECT {bigint('i.stay_id')} AS stay_id,
-                        {bigint('i.subject_id')} AS subject_id, {bigint('i.hadm_id')} AS hadm_id, i.first_careunit,
-                        {ts('i.intime')} AS intime, {ts('i.outtime')} AS outtime,
-                        {bigint('p.anchor_age')} AS anchor_age, p.gender AS gender
-                    FROM {csv_reader(paths['icustays'])} i
-                    LEFT JOIN {csv_reader(paths['patients'])} p ON i.subject_id = p.subject_id""")
-    _check_stays(con, _where(paths["icustays"]))
+    with progress.phase("reading the patient, stay and dictionary tables"):
+        _read_whole_tables(con, paths)
+        _stage_stays(con, paths)
     con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
                 "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
                 "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
@@ -298,6 +293,17 @@ def _stage(con, paths, changed) -> None:
             except duckdb.Error as e:
                 raise _read_problem(info["path"], e) from None
             advance()
+
+
+def _stage_stays(con, paths) -> None:
+    """Temp table ``stays``: the ICU stays with their patient's age and gender, validated."""
+    con.execute(f"""CREATE TEMP TABLE stays AS SELECT {bigint('i.stay_id')} AS stay_id,
+                        {bigint('i.subject_id')} AS subject_id, {bigint('i.hadm_id')} AS hadm_id, i.first_careunit,
+                        {ts('i.intime')} AS intime, {ts('i.outtime')} AS outtime,
+                        {bigint('p.anchor_age')} AS anchor_age, p.gender AS gender
+                    FROM {csv_reader(paths['icustays'])} i
+                    LEFT JOIN {csv_reader(paths['patients'])} p ON i.subject_id = p.subject_id""")
+    _check_stays(con, _where(paths["icustays"]))
 
 
 def _suppress(con, suppressed) -> int:
@@ -448,15 +454,18 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
             for key, info in changed.items():
                 table = key.split("/")[0]
                 groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
-        summary.suppressed_rows = _suppress(con, suppressed)
+        with progress.phase("dropping deleted patients"):
+            summary.suppressed_rows = _suppress(con, suppressed)
         with progress.step("checking rows against the store (rules, duplicates)"):
             _judge(con, out)
         summary.new_events = _write_new(con, out, run_id)
-        _summarise(con, changed, summary, manifest, groups)
+        with progress.phase("counting rows per table and rule"):
+            _summarise(con, changed, summary, manifest, groups)
         if changed or summary.new_events or not _metadata_current(out):
             with progress.step("counting the store's codes"):
                 _write_metadata(con, out, source, paths)
-        _write_stays(con, out)
+        with progress.phase("writing the stay table"):
+            _write_stays(con, out)
         # from the shards' footers: a count over every row cost a nightly rerun with nothing new a full scan
         summary.total_events = sum(pq.ParquetFile(f).metadata.num_rows for f in shard_files(out))
         summary.seconds = time.perf_counter() - t0
