@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +37,9 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from . import progress
-from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, N_BUCKETS, REQUIRED_TABLES, TABLES, bigint,
-                            csv_reader, dictionary_selects, event_selects, header_names, quarantine_reason,
-                            sql_literal, table_view, ts)
+from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PER_ROW, REQUIRED_TABLES, TABLES,
+                            bigint, bucket_of, csv_reader, dictionary_selects, event_selects, header_names,
+                            quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
                    codes_metadata_path, events_glob, is_meds_dataset, meds_shards, quarantine_dir, quarantine_files,
                    read_codes_metadata, shard_files, shard_of, stage_meds, stays_path, write_codes_metadata,
@@ -274,25 +275,62 @@ def _changed_files(files: dict, manifest: dict, summary: ExtractSummary) -> dict
     return changed
 
 
-def _stage(con, paths, changed) -> None:
-    """Temp tables ``stays`` (validated) and ``staged``: every event of the changed tables, typed."""
+# what every source's events are typed into before the rules judge them
+STAGED_COLUMNS = ("subject_id", "raw_time", "time", "code", "numeric_value", "text_value", "unit", "hadm_id",
+                  "stay_id", "raw_numeric", "source_table")
+
+
+def _stage_rows(con, select: str, staging: Path, params: list | None = None) -> int:
+    """Write ``select``'s rows (the staged columns) once into ``staging``, partitioned by the subject's shard
+    (``bucket=K/``, ``bucket=NULL/`` for rows without a subject); the rows written. Every later step reads one
+    shard's rows at a time, so no step holds or scans the whole of a changed table."""
+    staging.mkdir(parents=True, exist_ok=True)
+    n = con.execute(f"""COPY (SELECT *, {bucket_of('subject_id')} AS bucket FROM ({select}))
+                        TO {sql_literal(staging)} (FORMAT parquet, PARTITION_BY (bucket), APPEND,
+                                                   FILENAME_PATTERN 'rows_{{uuid}}')""", params or []).fetchall()
+    return int(n[0][0]) if n else 0
+
+
+STAGING_WORKERS = 4      # source files staged at once: each gzip stream is read by one thread
+
+
+def _stage_file(con, table: str, info: dict, paths: dict, staging: Path) -> None:
+    """One changed source file's events into ``staging`` (its rows counted into ``info``), on its own cursor."""
+    cur = con.cursor()
+    try:
+        cur.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
+        staged = sum(_stage_rows(cur, f"SELECT *, ? AS source_table FROM ({q})", staging, [table])
+                     for q in event_selects(table))
+        # a table of one event per row was counted by staging it; any other is read once more to count
+        info["rows"] = staged if table in ONE_EVENT_PER_ROW else cur.execute("SELECT count(*) FROM t").fetchall()[0][0]
+    except duckdb.Error as e:
+        raise _read_problem(info["path"], e) from None
+    finally:
+        cur.close()
+
+
+def _stage(con, paths, changed, staging: Path) -> None:
+    """Temp table ``stays`` (validated); every event of the changed tables, typed, into ``staging`` by shard.
+    Files are read side by side, largest first: decompressing one gzip stream is one thread's work, so one file
+    at a time left the other cores idle."""
     with progress.phase("reading the patient, stay and dictionary tables"):
         _read_whole_tables(con, paths)
         _stage_stays(con, paths)
-    con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
-                "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
-                "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
-    with progress.step("reading changed source files", total=len(changed), unit="files") as advance:
-        for key, info in changed.items():
-            table = key.split("/")[0]           # a folder's file: "chartevents/2026-12-01.csv.gz"
-            try:
-                con.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
-                info["rows"] = con.execute("SELECT count(*) FROM t").fetchall()[0][0]
-                for q in event_selects(table):
-                    con.execute(f"INSERT INTO staged SELECT *, ? FROM ({q})", [table])
-            except duckdb.Error as e:
-                raise _read_problem(info["path"], e) from None
-            advance()
+    order = sorted(changed.items(), key=lambda kv: -kv[1]["size"])
+    workers = max(1, min(STAGING_WORKERS, os.cpu_count() or 1, len(order)))
+    with progress.step("reading changed source files", total=len(changed), unit="files") as advance, \
+            ThreadPoolExecutor(max_workers=workers) as pool:
+        # each file into its own folder: writers of one partitioned folder would race on its files
+        futures = [pool.submit(_stage_file, con, key.split("/")[0], info, paths, staging / f"file-{i}")
+                   for i, (key, info) in enumerate(order)]
+        try:
+            for f in as_completed(futures):
+                f.result()
+                advance()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def _stage_stays(con, paths) -> None:
@@ -306,26 +344,36 @@ def _stage_stays(con, paths) -> None:
     _check_stays(con, _where(paths["icustays"]))
 
 
-def _suppress(con, suppressed) -> int:
-    """Drop deleted subjects from the staged events and from the stay table (rewritten at every run, changed
-    or not); the rows dropped."""
+def _staged_buckets(staging: Path) -> list[tuple[int | None, list[Path]]]:
+    """The shards the staged rows fall in (None: rows without a subject), each with its folders of rows."""
+    found = {}
+    for d in staging.glob("*/bucket=*") if staging.exists() else []:
+        value = d.name.split("=", 1)[1]
+        found.setdefault(None if value == "NULL" else int(value), []).append(d)
+    return sorted(found.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def _suppress(con, suppressed, table: str) -> int:
+    """Drop deleted subjects from ``table`` (the staged events of one shard, or the stay table, which is
+    rewritten at every run, changed or not); the rows dropped."""
     if suppressed is None:
         return 0
-    subjects = [r[0] for r in con.execute("SELECT subject_id FROM staged WHERE subject_id IS NOT NULL "
-                                          "UNION SELECT subject_id FROM stays WHERE subject_id IS NOT NULL").fetchall()]
+    subjects = [r[0] for r in con.execute(f"SELECT DISTINCT subject_id FROM {table} "
+                                          f"WHERE subject_id IS NOT NULL").fetchall()]
     gone = [int(s) for s in subjects if suppressed(int(s))]
     if not gone:
         return 0
-    con.execute("CREATE TEMP TABLE gone AS SELECT unnest(?::BIGINT[]) AS subject_id", [gone])
-    n = con.execute("SELECT count(*) FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)").fetchall()[0][0]
-    con.execute("DELETE FROM staged WHERE subject_id IN (SELECT subject_id FROM gone)")
-    con.execute("DELETE FROM stays WHERE subject_id IN (SELECT subject_id FROM gone)")
+    n = con.execute(f"SELECT count(*) FROM {table} WHERE subject_id IN (SELECT unnest(?::BIGINT[]))", [gone]
+                    ).fetchall()[0][0]
+    con.execute(f"DELETE FROM {table} WHERE subject_id IN (SELECT unnest(?::BIGINT[]))", [gone])
     return int(n)
 
 
-def _judge(con, out) -> None:
-    """Temp tables ``numbered`` (every staged event with its quarantine reason, content hash and occurrence)
-    and ``fresh`` (those not already in the store or its quarantine)."""
+def _judge(con, out, bucket: int | None) -> None:
+    """Temp table ``numbered``: every staged event of one shard (``bucket``; None: rows without a subject) with
+    its quarantine reason, content hash, occurrence and whether it is new (not already in the store's shard or
+    the quarantine). Identical rows share their subject, so numbering them within the shard is numbering them
+    in the whole table."""
     # Labs (and a MEDS source's events) carry no stay_id: give them the ICU stay whose window contains them.
     con.execute("""UPDATE staged SET stay_id = s.stay_id FROM stays s
                    WHERE staged.source_table IN ('labevents', 'meds') AND staged.stay_id IS NULL
@@ -341,47 +389,74 @@ def _judge(con, out) -> None:
         con.execute("""UPDATE judged SET reason = u.reason FROM unusable_stays u
                        WHERE judged.source_table = 'meds' AND judged.subject_id = u.subject_id
                          AND judged.time = u.intime AND judged.code = u.code AND judged.reason IS NULL""")
-    con.execute("""CREATE TEMP TABLE numbered AS SELECT *,
-                   row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged""")
-    seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(d / g)})"
-            for d, g in ((out / "data", "*.parquet"), (quarantine_dir(out), "*.parquet")) if any(d.glob(g))]
-    anti = (f"AND NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
-            f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else ""
-    con.execute(f"CREATE TEMP TABLE fresh AS SELECT * FROM numbered j WHERE TRUE {anti}")
+    mine = "subject_id IS NULL" if bucket is None else f"{bucket_of('subject_id')} = {bucket}"
+    seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(q)}) WHERE {mine}"
+            for q in quarantine_files(out)]
+    shard = shard_of(out, bucket) if bucket is not None else None
+    if shard is not None and shard.exists():
+        seen.append(f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(shard)})")
+    is_new = (f"NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
+              f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else "TRUE"
+    con.execute(f"""CREATE TEMP TABLE numbered AS SELECT *, {is_new} AS is_new FROM (SELECT *,
+                   row_number() OVER (PARTITION BY event_hash ORDER BY raw_time) AS occurrence FROM judged) j""")
+    con.execute("DROP TABLE judged")
 
 
-def _write_new(con, out, run_id) -> int:
-    """New events into their shards (each touched shard rewritten whole, sorted: a subject stays in one file,
-    contiguous and in time order) and new rejected rows into the quarantine; the new events written."""
-    n_new = con.execute("SELECT count(*) FROM fresh WHERE reason IS NULL").fetchall()[0][0]
-    cols = ", ".join(EVENT_COLUMNS)
-    touched = [k for k, in con.execute(f"SELECT DISTINCT subject_id % {N_BUCKETS} FROM fresh "
-                                       f"WHERE reason IS NULL ORDER BY 1").fetchall()]
-    with progress.step("writing new events into shards", total=len(touched), unit="shards") as advance:
-        for k in touched:
-            shard = shard_of(out, k)
-            old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
-            write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM fresh WHERE reason IS NULL "
-                             f"AND subject_id % {N_BUCKETS} = ?) ORDER BY {SHARD_ORDER}", shard, [k])
-            advance()
-    if con.execute("SELECT count(*) FROM fresh WHERE reason IS NOT NULL").fetchall()[0][0]:
-        quarantine_dir(out).mkdir(exist_ok=True)
-        con.execute(f"""COPY (SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
-                            stay_id, source_table, reason, event_hash, occurrence FROM fresh
-                     WHERE reason IS NOT NULL) TO {sql_literal(out / 'quarantine' / f'run-{run_id}.parquet')}
-                     (FORMAT parquet)""")
+def _write_new(con, out, bucket: int | None) -> int:
+    """One shard's new events into its file (rewritten whole, sorted: a subject stays in one file, contiguous and
+    in time order) and its new rejected rows into the temp table ``rejected``; the new events written."""
+    n_new = con.execute("SELECT count(*) FROM numbered WHERE is_new AND reason IS NULL").fetchall()[0][0]
+    if n_new:
+        shard = shard_of(out, bucket)
+        cols = ", ".join(EVENT_COLUMNS)
+        old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
+        write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM numbered WHERE is_new AND reason IS NULL) "
+                         f"ORDER BY {SHARD_ORDER}", shard)
+    con.execute("""INSERT INTO rejected SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
+                          stay_id, source_table, reason, event_hash, occurrence FROM numbered
+                   WHERE is_new AND reason IS NOT NULL""")
+    con.execute("""INSERT INTO tally SELECT source_table, reason, count(*), count(*) FILTER (WHERE is_new)
+                   FROM numbered GROUP BY ALL""")
     return int(n_new)
+
+
+def _check_and_write(con, out, run_id, staging: Path, suppressed) -> tuple[int, int]:
+    """Shard by shard: the staged rows checked against the rules and the store, new events written into the
+    shard and rejected rows kept for the quarantine (written last, one file for the run); per table and reason
+    the rows seen and new into temp table ``tally``. Returns (new events, rows of deleted patients dropped)."""
+    con.execute("CREATE TEMP TABLE tally (source_table VARCHAR, reason VARCHAR, n BIGINT, new BIGINT)")
+    con.execute("CREATE TEMP TABLE rejected (subject_id BIGINT, raw_time VARCHAR, code VARCHAR, numeric_value DOUBLE, "
+                "text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, stay_id BIGINT, source_table VARCHAR, "
+                "reason VARCHAR, event_hash VARCHAR, occurrence BIGINT)")
+    new = dropped = 0
+    buckets = _staged_buckets(staging)
+    with progress.step("checking rows against the store and writing shards", total=len(buckets),
+                       unit="shards") as advance:
+        for bucket, folders in buckets:
+            files = ", ".join(sql_literal(d / "*.parquet") for d in folders)
+            con.execute(f"CREATE TEMP TABLE staged AS SELECT {', '.join(STAGED_COLUMNS)} "
+                        f"FROM read_parquet([{files}], hive_partitioning=false)")
+            dropped += _suppress(con, suppressed, "staged")
+            _judge(con, out, bucket)
+            new += _write_new(con, out, bucket)
+            con.execute("DROP TABLE staged")
+            con.execute("DROP TABLE numbered")
+            advance()
+    if con.execute("SELECT count(*) FROM rejected").fetchall()[0][0]:
+        quarantine_dir(out).mkdir(exist_ok=True)
+        con.execute(f"COPY rejected TO {sql_literal(quarantine_dir(out) / f'run-{run_id}.parquet')} (FORMAT parquet)")
+    return new, dropped
 
 
 def _summarise(con, changed, summary, manifest, groups: dict) -> None:
     """Per changed table (``groups``: name -> (its source_table values, rows read)): rows, events, quarantined
     by reason, new events; the manifest entries of the changed files."""
-    stats = con.sql("""SELECT source_table, count(*) FILTER (WHERE reason IS NULL) AS events,
-                              count(*) FILTER (WHERE reason IS NOT NULL) AS quarantined
-                       FROM numbered GROUP BY ALL""").pl()
-    reasons = con.sql("SELECT source_table, reason, count(*) AS n FROM numbered WHERE reason IS NOT NULL "
+    stats = con.sql("""SELECT source_table, sum(n) FILTER (WHERE reason IS NULL) AS events,
+                              sum(n) FILTER (WHERE reason IS NOT NULL) AS quarantined
+                       FROM tally GROUP BY ALL""").pl()
+    reasons = con.sql("SELECT source_table, reason, sum(n) AS n FROM tally WHERE reason IS NOT NULL "
                       "GROUP BY ALL").pl()
-    new = con.sql("SELECT source_table, count(*) AS n FROM fresh WHERE reason IS NULL GROUP BY ALL").pl()
+    new = con.sql("SELECT source_table, sum(new) AS n FROM tally WHERE reason IS NULL GROUP BY ALL").pl()
     for name, (tables, rows) in groups.items():
         mine = pl.col("source_table").is_in(tables)
         row = stats.filter(mine)
@@ -434,6 +509,8 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     mark_current(out)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
+    staging = out / ".work" / "staged"      # patients' rows (of deleted ones too, before suppression): never kept
+    shutil.rmtree(staging, ignore_errors=True)
     try:
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
@@ -441,24 +518,25 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
             changed = _changed_files({f"meds:{p.relative_to(source)}": p for p in shards}, manifest, summary)
             for info in changed.values():
                 info["rows"] = pq.ParquetFile(info["path"]).metadata.num_rows
-            stage_meds(con, source, shards, [Path(i["path"]) for i in changed.values()],
-                       stay_codes or MedsStayCodes())
+            events = stage_meds(con, source, shards, [Path(i["path"]) for i in changed.values()],
+                                stay_codes or MedsStayCodes())
             _check_stays(con, source, "no ICU stays: no stays.parquet, and no code matches the ICU admission "
                                       "pattern (meds_source.admission in the cohort config)")
+            if events is not None:
+                with progress.step("reading changed source files"):
+                    _stage_rows(con, events, staging / "file-0")
             groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
         else:
             files = {k: f for t in EVENT_TABLES if t in paths for k, f in table_files(t, paths[t]).items()}
             changed = _changed_files(files, manifest, summary)
-            _stage(con, paths, changed)
+            _stage(con, paths, changed, staging)
             groups = {}
-            for key, info in changed.items():
-                table = key.split("/")[0]
+            for name, info in changed.items():
+                table = name.split("/")[0]
                 groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
-        with progress.phase("dropping deleted patients"):
-            summary.suppressed_rows = _suppress(con, suppressed)
-        with progress.step("checking rows against the store (rules, duplicates)"):
-            _judge(con, out)
-        summary.new_events = _write_new(con, out, run_id)
+        with progress.phase("dropping deleted patients' stays"):
+            _suppress(con, suppressed, "stays")
+        summary.new_events, summary.suppressed_rows = _check_and_write(con, out, run_id, staging, suppressed)
         with progress.phase("counting rows per table and rule"):
             _summarise(con, changed, summary, manifest, groups)
         if changed or summary.new_events or not _metadata_current(out):
@@ -480,6 +558,7 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
         raise e if isinstance(e, ExtractionError) else ExtractionError(str(e)) from None
     finally:
         con.close()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:

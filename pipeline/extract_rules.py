@@ -51,6 +51,10 @@ EVENT_TABLES = ("patients", "admissions", "transfers", "icustays", "labevents", 
                 "outputevents", "procedureevents", "datetimeevents", "ingredientevents", "emar", "prescriptions",
                 "pharmacy", "diagnoses_icd", "procedures_icd", "drgcodes", "hcpcsevents", "omr", "services",
                 "microbiologyevents")
+# Tables whose one event select turns each row into one event (no filter, no join): the rows read are the
+# events staged, so the extraction does not read the file a second time only to count its rows.
+ONE_EVENT_PER_ROW = ("chartevents", "labevents", "outputevents", "datetimeevents", "ingredientevents", "transfers",
+                     "emar", "pharmacy", "procedures_icd", "hcpcsevents", "omr", "services", "microbiologyevents")
 # Tables without event times of their own, dated by their admission's discharge (as the community ETL does).
 DATED_BY_DISCHARGE = ("diagnoses_icd", "drgcodes")
 # MEDS's death code for every death, so that a MEDS tool matching MEDS_DEATH exactly (an ACES task) finds them
@@ -267,6 +271,12 @@ def dictionary_selects(paths: dict) -> dict:
 
 def _has(paths: dict, table: str, column: str) -> bool:
     return column in (header_names(paths[table]) or [])
+
+
+def bucket_of(subject: str) -> str:
+    """The SQL of a subject id's shard number, as :func:`pipeline.meds.shard_of` computes it (Python's modulo:
+    never negative)."""
+    return f"((({subject}) % {N_BUCKETS}) + {N_BUCKETS}) % {N_BUCKETS}"
 
 
 def quarantine_reason() -> str:

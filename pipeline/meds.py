@@ -290,9 +290,10 @@ def _optional(schema_names: set, col: str, sql_type: str) -> str:
 
 
 def stage_meds(con: duckdb.DuckDBPyConnection, source: Path, shards: list[Path], changed: list[Path],
-               codes: MedsStayCodes) -> None:
-    """Temp tables ``stays`` (from the source's ``stays.parquet`` when it has one, else from its admission and
-    discharge codes) and ``staged`` (every event of the ``changed`` shards, typed as the CSV path types them).
+               codes: MedsStayCodes) -> str | None:
+    """Temp table ``stays`` (from the source's ``stays.parquet`` when it has one, else from its admission and
+    discharge codes); the SELECT of every event of the ``changed`` shards, typed as the CSV path types them
+    (None when none changed).
 
     Events with no time (MEDS's static measurements) are staged with source_table 'meds_static' and kept."""
     names = set.intersection(*(set(pq.read_schema(p).names) for p in shards))
@@ -303,19 +304,17 @@ def stage_meds(con: duckdb.DuckDBPyConnection, source: Path, shards: list[Path],
                     f"FROM read_parquet({_literal_list([stay_table])})")
     else:
         _derive_stays(con, shards, codes)
-    src = f"read_parquet({_literal_list(changed)}, union_by_name=true)" if changed else None
-    con.execute("CREATE TEMP TABLE staged (subject_id BIGINT, raw_time VARCHAR, time TIMESTAMP, "
-                "code VARCHAR, numeric_value DOUBLE, text_value VARCHAR, unit VARCHAR, hadm_id BIGINT, "
-                "stay_id BIGINT, raw_numeric VARCHAR, source_table VARCHAR)")
-    if src is None:
-        return
-    con.execute(f"""INSERT INTO staged SELECT CAST(subject_id AS BIGINT), CAST(time AS VARCHAR),
-                        CAST(time AS TIMESTAMP), CAST(code AS VARCHAR),
-                        {_optional(names, 'numeric_value', 'DOUBLE')}, {_optional(names, 'text_value', 'VARCHAR')},
-                        {_optional(names, 'unit', 'VARCHAR')}, {_optional(names, 'hadm_id', 'BIGINT')},
-                        {_optional(names, 'stay_id', 'BIGINT')}, {_optional(names, 'numeric_value', 'VARCHAR')},
-                        CASE WHEN time IS NULL THEN 'meds_static' ELSE 'meds' END
-                    FROM {src}""")
+    if not changed:
+        return None
+    return f"""SELECT CAST(subject_id AS BIGINT) AS subject_id, CAST(time AS VARCHAR) AS raw_time,
+                      CAST(time AS TIMESTAMP) AS time, CAST(code AS VARCHAR) AS code,
+                      {_optional(names, 'numeric_value', 'DOUBLE')} AS numeric_value,
+                      {_optional(names, 'text_value', 'VARCHAR')} AS text_value,
+                      {_optional(names, 'unit', 'VARCHAR')} AS unit, {_optional(names, 'hadm_id', 'BIGINT')} AS hadm_id,
+                      {_optional(names, 'stay_id', 'BIGINT')} AS stay_id,
+                      {_optional(names, 'numeric_value', 'VARCHAR')} AS raw_numeric,
+                      CASE WHEN time IS NULL THEN 'meds_static' ELSE 'meds' END AS source_table
+               FROM read_parquet({_literal_list(changed)}, union_by_name=true)"""
 
 
 ADMISSION_WITHOUT_DISCHARGE = "icu_admission_without_discharge"
