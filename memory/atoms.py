@@ -39,7 +39,9 @@ class AtomRegistry:
     ``n`` slots are in use: atoms, and free slots below the last atom (``free``; a new atom takes the most
     recently freed). Per slot: ``X`` the key, ``mult`` the multiplicity, ``seq`` the creation number (-1 when
     free), ``token_lists`` the token ids in arrival order, ``value_sum`` the sum of their values and ``leaves``
-    the SHA-256 digest leaf of key and token ids.
+    the SHA-256 digest leaf of key and token ids. A leaf is computed when a digest first needs it
+    (:meth:`refresh_leaves`; ``stale`` holds the atoms changed since): a stream that never asks for a digest, a
+    policy's evictions, hashes nothing.
     """
 
     def __init__(self):
@@ -51,6 +53,7 @@ class AtomRegistry:
         self.token_lists = []
         self.value_sum = []
         self.leaves = []
+        self.stale = set()
         self.slot_of_seq = {}
         self.seq_of_keybytes = {}
         self.tokens = {}  # token id -> TokenRecord, in arrival order
@@ -120,6 +123,7 @@ class AtomRegistry:
         self.token_lists[slot] = []
         self.value_sum[slot] = None
         self.leaves[slot] = b""
+        self.stale.discard(slot)
         self.free.append(slot)
         while self.n and self.seq[self.n - 1] == -1:
             self.n -= 1
@@ -132,7 +136,7 @@ class AtomRegistry:
         """Add a token to the atom in ``slot`` (its multiplicity is the caller's)."""
         self.tokens[token_id] = TokenRecord(int(self.seq[slot]), value, next(self.arrivals))
         self.token_lists[slot].append(token_id)
-        self.leaves[slot] = atom_leaf(self.X[slot], self.token_lists[slot])
+        self.stale.add(slot)
         self.value_sum[slot] = value.copy() if self.value_sum[slot] is None else self.value_sum[slot] + value
 
     def forget(self, token_id: Hashable, slot: int) -> None:
@@ -143,7 +147,14 @@ class AtomRegistry:
         if tokens:
             # Re-summed from the remaining tokens, not by subtraction, so the atom's mean value is exact.
             self.value_sum[slot] = np.sum([self.tokens[t].value for t in tokens], axis=0)
-            self.leaves[slot] = atom_leaf(self.X[slot], tokens)
+            self.stale.add(slot)
+
+    def refresh_leaves(self) -> list:
+        """``leaves``, with those of the atoms changed since the last call recomputed."""
+        for slot in self.stale:
+            self.leaves[slot] = atom_leaf(self.X[slot], self.token_lists[slot])
+        self.stale.clear()
+        return self.leaves
 
     def restore(self, n: int, free: list, records: list) -> None:
         """Rebuild the slot maps and token lists after X, mult and seq were loaded for ``n`` slots; ``records``
@@ -156,12 +167,13 @@ class AtomRegistry:
         self.token_lists = [[] for _ in range(n)]
         self.value_sum = [None] * n
         self.leaves = [b""] * n
+        self.stale = set()
         for tid, rec in records:
             self.tokens[tid] = rec
             self.token_lists[self.slot_of_seq[rec.seq]].append(tid)
         for slot in live:
             self.value_sum[slot] = np.sum([self.tokens[t].value for t in self.token_lists[slot]], axis=0)
-            self.leaves[slot] = atom_leaf(self.X[slot], self.token_lists[slot])
+            self.stale.add(slot)
         self.next_seq = itertools.count(int(self.seq[:n].max()) + 1 if n else 0)
         self.arrivals = itertools.count(max((r.arrival for _, r in records), default=-1) + 1)
         ints = [t for t in self.tokens if isinstance(t, int)]

@@ -36,8 +36,8 @@ class EvictionCertificate:
     strictly_complementary: bool
     rho_pinned: bool
     kkt_residual_after: float
-    digest_before: str
-    digest_after: str
+    digest_before: str | None     # None: issued without digests (SVMemory.certify_eviction's ``digests``)
+    digest_after: str | None
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)

@@ -352,8 +352,11 @@ class SVMemory:
                 self._solver.finish()  # rho is unpinned: its interval may have widened; return to the midpoint
 
     # ------------------------------------------------------------------ certified eviction
-    def certify_eviction(self, token_id: Hashable) -> EvictionCertificate:
-        """Certificate that evicting a reserve token changes no output; raises for any other token."""
+    def certify_eviction(self, token_id: Hashable, digests: bool = True) -> EvictionCertificate:
+        """Certificate that evicting a reserve token changes no output; raises for any other token.
+
+        ``digests=False``: without the state digests before and after (None), for a caller that keeps no
+        certificate (a streaming policy counts its certified evictions); every condition is still checked."""
         slot = self._state.atoms.slot_of(token_id)
         self.check_fitted()
         buf = self._state.buf
@@ -383,17 +386,20 @@ class SVMemory:
         return EvictionCertificate(
             token_id=token_id, alpha=float(buf.alpha[slot]), decision_value=gj, margin=gj,
             tau_res=self.tau_res, strictly_complementary=gj > self.tau_res, rho_pinned=rho_pinned,
-            kkt_residual_after=residual, digest_before=self.state_digest(),
-            digest_after=self.state_digest(exclude=token_id, rho=rho_after))
+            kkt_residual_after=residual, digest_before=self.state_digest() if digests else None,
+            digest_after=self.state_digest(exclude=token_id, rho=rho_after) if digests else None)
 
-    def evict(self, token_id: Hashable, certificate: EvictionCertificate | None = None) -> EvictionCertificate:
+    def evict(self, token_id: Hashable, certificate: EvictionCertificate | None = None,
+              digests: bool = True) -> EvictionCertificate:
         """Remove a certified reserve token without any solver work; returns its certificate.
 
         ``read`` is bit-for-bit unchanged (and ``decision_function`` when rho is pinned): both sum over the
-        nonzero coefficients in atom creation order, and neither that set nor its order changes.
+        nonzero coefficients in atom creation order, and neither that set nor its order changes. The state
+        after is checked against the certificate's digest, unless it was issued without digests (``digests``,
+        as in :meth:`certify_eviction`).
         """
         if certificate is None:
-            cert = self.certify_eviction(token_id)
+            cert = self.certify_eviction(token_id, digests=digests)
         elif certificate.token_id != token_id or certificate.digest_before != self.state_digest():
             raise NotCertifiableError(f"the certificate does not belong to token {token_id!r} in this state")
         else:
@@ -401,7 +407,7 @@ class SVMemory:
         slot = self._state.atoms.slot_of(token_id)
         self._state.set_multiplicity(slot, self._state.atoms.mult[slot] - 1)
         self._forget_token(token_id, slot)
-        if self.state_digest() != cert.digest_after:
+        if cert.digest_after is not None and self.state_digest() != cert.digest_after:
             raise SolverError(f"state after evicting {token_id!r} does not match its certificate")
         return cert
 
@@ -417,7 +423,7 @@ class SVMemory:
         rho = rho if rho is not None else (self.rho_ if self._state.fitted else float("nan"))
         live = self._state.live_slots()
         order = live[np.argsort(atoms.seq[live], kind="stable")]
-        leaves = leaves_in_order(atoms.leaves, order)
+        leaves = leaves_in_order(atoms.refresh_leaves(), order)
         mult = atoms.mult[:self._state.n].copy()
         if exclude is not None:
             slot = atoms.slot_of(exclude)

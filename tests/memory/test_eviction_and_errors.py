@@ -36,6 +36,26 @@ def test_evicting_a_reserve_token_changes_no_output_bit_for_bit(filled):
     assert rep.max_dev <= 1e-8 and rep.nondegenerate_mismatches == 0
 
 
+def test_an_eviction_without_digests_checks_the_same_and_leaves_the_same_state():
+    """A policy's evictions skip the state digests (hashed lazily, per changed atom): the certificate's other
+    fields, the state after and every later digest are those of an eviction with digests."""
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((50, 3))
+    with_digests, without = SVMemory(C=1 / 6, gamma=0.6), SVMemory(C=1 / 6, gamma=0.6)
+    for i, x in enumerate(X):
+        with_digests.add(x, token_id=i)
+        without.add(x, token_id=i)
+    for tid in sorted(with_digests.partition().reserve)[:8]:
+        full, bare = with_digests.evict(tid), without.evict(tid, digests=False)
+        assert bare.digest_before is None and bare.digest_after is None
+        assert {k: v for k, v in full.to_dict().items() if not k.startswith("digest")} == \
+            {k: v for k, v in bare.to_dict().items() if not k.startswith("digest")}
+        assert without.state_digest() == with_digests.state_digest() == full.digest_after
+    margin = sorted(without.partition().margin)[0]
+    with pytest.raises(NotCertifiableError, match="only reserve tokens"):
+        without.evict(margin, digests=False)
+
+
 def test_only_reserve_tokens_are_certifiable(filled):
     mem, _, _ = filled
     part = mem.partition()
