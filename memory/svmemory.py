@@ -214,13 +214,13 @@ class SVMemory:
             raise InvalidKeyError(f"a key must be a non-empty 1-D vector, got shape {np.shape(key)}")
         if self._state.dim is not None and x.size != self._state.dim:
             raise InvalidKeyError(f"key has dimension {x.size}, the memory's keys have dimension {self._state.dim}")
-        if not np.all(np.isfinite(x)):
+        if not np.isfinite(x).all():
             raise InvalidKeyError(f"key has non-finite entries: {x.tolist()}")
         return x + 0.0  # turns -0.0 into 0.0 so that equal keys have equal bytes
 
     def _check_value(self, value, key) -> np.ndarray:
         v = key.copy() if value is None else np.asarray(value, dtype=np.float64).ravel()
-        if v.size == 0 or not np.all(np.isfinite(v)):
+        if value is not None and (v.size == 0 or not np.isfinite(v).all()):     # a key was checked already
             raise InvalidKeyError(f"value must be a non-empty finite vector, got {np.asarray(value).tolist()}")
         if self._state.value_dim is not None and v.size != self._state.value_dim:
             raise InvalidKeyError(f"value has dimension {v.size}, the memory's values have dimension "
