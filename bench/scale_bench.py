@@ -12,7 +12,8 @@ is sampled every 0.2 s. Printed per size: each phase's seconds and peak RSS (fro
 late chart rows), beside the first run's time; at ``--dask-at`` the same first run on a local 2-worker Dask
 cluster; at the largest size ``forgetful delete``: a decrement of one patient, a replay of one and one replay of
 ``--batch`` patients in one command, beside the first run. Last, each phase's growth exponent (the log-log slope
-between the smallest and largest size) and its extrapolation to all of v3.1 (and to 2.2, a second line).
+between the two largest sizes; between the two smallest beside it) and its extrapolation to all of v3.1 (and to
+2.2, a second line), the time on 16 and 64 cores with scoring on Dask, and every figure as JSON in WORK.
 """
 from __future__ import annotations
 
@@ -194,27 +195,61 @@ def time_deletions(ws: Path, env: dict, first_run: float, batch: int = 10) -> No
         shutil.rmtree(copy, ignore_errors=True)
 
 
-def growth(results: list[dict]) -> None:
-    a, b = results[0], results[-1]
-    if b["stays"] == a["stays"]:
-        return
-    print(f"\ngrowth from {a['stays']} to {b['stays']} stays, extrapolated to MIMIC-IV v3.1's {MIMIC_IV_ICU_STAYS} "
-          f"stays (2.2's {MIMIC_IV_2_2_ICU_STAYS} in brackets):")
+def growth(results: list[dict]) -> dict:
+    """Each phase's growth exponent between the two largest sizes (beside it, between the two smallest when
+    there are three or more) and its extrapolation from the largest to 100 %; returns phase -> (exponent,
+    seconds at v3.1)."""
+    if len(results) < 2:
+        return {}
+    a, b = results[-2], results[-1]
+    low = (results[0], results[1]) if len(results) > 2 else None
+
+    def exponent(x: dict, y: dict, ph: str) -> float:
+        tx = x["wall"] if ph == "whole run" else x["phases"].get(ph, (0, 0))[0]
+        ty = y["wall"] if ph == "whole run" else y["phases"].get(ph, (0, 0))[0]
+        return math.log(ty / tx) / math.log(y["stays"] / x["stays"]) if tx > 0 and ty > 0 else float("nan")
+    print(f"\ngrowth from {a['stays']} to {b['stays']} stays" +
+          (f" ({low[0]['stays']} to {low[1]['stays']} in brackets)" if low else "") +
+          f", extrapolated to MIMIC-IV v3.1's {MIMIC_IV_ICU_STAYS} stays (2.2's {MIMIC_IV_2_2_ICU_STAYS} in brackets):")
     scale, scale_22 = MIMIC_IV_ICU_STAYS / b["stays"], MIMIC_IV_2_2_ICU_STAYS / b["stays"]
     total = total_22 = 0.0
+    out = {}
     for ph in PHASES + ("whole run",):
         ta = a["wall"] if ph == "whole run" else a["phases"].get(ph, (0, 0))[0]
         tb = b["wall"] if ph == "whole run" else b["phases"].get(ph, (0, 0))[0]
         if ta <= 0 or tb <= 0:
             continue
-        e = math.log(tb / ta) / math.log(b["stays"] / a["stays"])
+        e = exponent(a, b, ph)
+        first = f" ({exponent(*low, ph):5.2f})" if low else ""
         full, full_22 = tb * scale ** max(e, 0.0), tb * scale_22 ** max(e, 0.0)
         total += full if ph != "whole run" else 0.0
         total_22 += full_22 if ph != "whole run" else 0.0
-        print(f"  {ph:14s} exponent {e:5.2f}   {tb:8.1f} s -> {full / 60:7.1f} min at 100 % ({full_22 / 60:.1f})")
+        out[ph] = (e, full)
+        print(f"  {ph:14s} exponent {e:5.2f}{first}   {tb:8.1f} s -> {full / 60:7.1f} min at 100 % "
+              f"({full_22 / 60:.1f})")
     print(f"  the phases' extrapolations summed: {total / 3600:.2f} h ({total_22 / 3600:.2f} h for 2.2); the goal, "
           f"2 h on 2 cores: {'met' if total <= 7200 else f'missed by {(total - 7200) / 3600:.2f} h'}")
     print(f"  peak RSS: {a['peak']:.2f} GiB at {a['stays']} stays, {b['peak']:.2f} GiB at {b['stays']} stays")
+    return out
+
+
+def scale_out(full: dict, process: dict, dask: dict, cores=(16, 64)) -> None:
+    """All of v3.1 on more cores, from the extrapolations ``full`` (phase -> (exponent, seconds on 2 cores)): only
+    scoring leaves the flow's machine; it is divided over the workers, times the measured cost of separate
+    Dask worker processes against the process pool at one size (``dask`` and ``process`` at the same stays).
+    The other phases are taken as measured on 2 cores (DuckDB's extraction would use more of the flow
+    machine's cores; not measured here)."""
+    if "scoring" not in full or "scoring" not in dask["phases"] or "scoring" not in process["phases"]:
+        return
+    overhead = dask["phases"]["scoring"][0] / process["phases"]["scoring"][0]
+    stay = sum(s for ph, (_, s) in full.items() if ph not in ("scoring", "whole run"))
+    print(f"\nscale-out: scoring on a Dask cluster of separate worker processes took {overhead:.2f}x the process "
+          f"pool's time at {dask['stays']} stays (2 workers each); the other phases stay on the flow's machine "
+          f"({stay / 60:.0f} min extrapolated on 2 cores)")
+    for c in cores:
+        scoring = full["scoring"][1] * 2 / c * overhead
+        print(f"  {c:3d} cores: scoring {scoring / 60:6.1f} min + flow machine {stay / 60:.0f} min = "
+              f"{(scoring + stay) / 3600:.2f} h for all of v3.1 (assumes scoring's chunks keep every worker busy)")
 
 
 def main(argv=None):
@@ -244,9 +279,14 @@ def main(argv=None):
     if not a.no_delete:
         print(f"\ndeletion at {results[-1]['stays']} stays:")
         time_deletions(results[-1]["ws"], env, results[-1]["wall"], a.batch)
-    growth(results)
-    if a.dask_at:
-        run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False)
+    dask = run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False) if a.dask_at else None
+    full = growth(results)
+    same = next((r for r in results if dask is not None and r["stays"] == dask["stays"]), None)
+    if same is not None:
+        scale_out(full, same, dask)
+    saved = work / "scale_results.json"
+    saved.write_text(json.dumps([{**r, "ws": str(r["ws"])} for r in results + ([dask] if dask else [])], indent=1))
+    print(f"\nthe figures above, as JSON: {saved}")
 
 
 if __name__ == "__main__":
