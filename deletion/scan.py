@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from memory.cohort import CohortMemory, owner_of
+from pipeline.extract import scratch_paths
 from pipeline.meds import quarantine_files, shard_files, stays_path, subject_splits_path
 
 from .plan import owner
@@ -58,5 +59,5 @@ def residual_scan(ws: Workspace, txn: Transaction, stay_files: dict[int, list]) 
             ids = frame["subject_id"].value_counts()
             add({int(i): int(n) for i, n in ids.iter_rows() if i is not None and i.isdigit() and int(i) in rows})
     # a scratch database may hold any patient's rows: it must be gone
-    scratch = sum(1 for f in (ws.store / ".work").glob("extract.duckdb*") if str(f) not in deleted)
+    scratch = sum(1 for f in scratch_paths(ws.store) if str(f) not in deleted)
     return {sid: {"rows_remaining": int(n + scratch), "scanned": list(SCANNED)} for sid, n in rows.items()}

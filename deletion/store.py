@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import duckdb
 import polars as pl
 
+from pipeline.extract import scratch_paths
 from pipeline.extract_rules import N_BUCKETS, sql_literal
 from pipeline.meds import (codes_metadata_path, quarantine_files, read_codes_metadata, shard_files, shard_of,
                            stays_path, subject_splits_path, write_codes_metadata, write_label_file, write_shard,
@@ -134,7 +135,7 @@ def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> 
     the old content is reused). Per subject, what was removed."""
     sids = sorted(subjects)
     events, quarantine, source = _events(ws, txn, sids), _quarantine(ws, txn, sids), _source(ws, txn, sids)
-    for scratch in (ws.store / ".work").glob("extract.duckdb*"):     # earlier versions' scratch tables
+    for scratch in scratch_paths(ws.store):     # an interrupted extraction's rows of any patient
         txn.delete(scratch)
     stays = pl.read_parquet(stays_path(ws.store))
     in_stays = _per_subject(stays, sids)

@@ -15,8 +15,11 @@ re-read in full, and only rows whose (event_hash, occurrence) pair is not alread
 quarantine) are written: ``event_hash`` is the md5 of the row's content, ``occurrence`` numbers repeats of
 identical rows, so appended rows are added once and a re-run never double-counts.
 
-Out of core: DuckDB runs with ``memory_limit`` and ``temp_directory`` set and spills its sorts; nothing is
-collected into Python.
+Out of core: the changed files are read side by side (one gzip stream is one thread's work) and their typed rows
+written once to parquet under ``.work/staged``, partitioned by the subject's shard; then shard by shard the rows
+are checked against the rules, the store's shard and the quarantine, and the shard is written. No step holds or
+scans a whole changed table, so memory grows with the largest shard and time with the rows. DuckDB runs with
+``memory_limit`` and ``temp_directory`` set; nothing is collected into Python.
 """
 from __future__ import annotations
 
@@ -173,6 +176,18 @@ def _header(con, path):
 
 
 DEFAULT_MEMORY_LIMIT = "4GB"    # DuckDB's memory limit of an extraction unless a run sets one (it spills past it)
+
+
+def staging_dir(store: Path) -> Path:
+    """Where an extraction stages the changed tables' rows by shard (removed when it ends, and at its start)."""
+    return Path(store) / ".work" / "staged"
+
+
+def scratch_paths(store: Path) -> list[Path]:
+    """What an interrupted extraction may have left that holds patients' rows: its staged rows, DuckDB's spill
+    files and earlier versions' scratch database (a deletion removes them)."""
+    work = Path(store) / ".work"
+    return [p for p in (staging_dir(store), work / "spill") if p.exists()] + sorted(work.glob("extract.duckdb*"))
 
 
 def connect(workdir: Path, memory_limit: str | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
@@ -509,7 +524,7 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     mark_current(out)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
-    staging = out / ".work" / "staged"      # patients' rows (of deleted ones too, before suppression): never kept
+    staging = staging_dir(out)      # patients' rows (of deleted ones too, before suppression): never kept
     shutil.rmtree(staging, ignore_errors=True)
     try:
         manifest = load_manifest(out)

@@ -12,7 +12,7 @@ from cohorts.streams import evaluation_streams
 from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject, scan_subject
 from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
-from pipeline.extract import UnknownSubjectError, extract
+from pipeline.extract import UnknownSubjectError, extract, staging_dir
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
@@ -44,6 +44,19 @@ def test_a_deletion_removes_every_row_and_its_certificate_verifies(plain_ws, tmp
     # the workspace's own source no longer holds the patient, and a re-extraction does not bring them back
     extract(ws.source, ws.store, key=load_key(ws.root))
     assert not any(scan_subject(ws, sid)[0].values())
+
+
+def test_an_interrupted_extraction_s_staged_rows_and_spill_files_go_with_a_deletion(plain_ws, tmp_path):
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    staged = staging_dir(ws.store) / "file-0" / "bucket=0"
+    staged.mkdir(parents=True)
+    shutil.copyfile(next(ws.store.glob("data/*.parquet")), staged / "rows_x.parquet")   # patients' rows, by id
+    (ws.store / ".work" / "spill").mkdir()
+    (ws.store / ".work" / "spill" / "duckdb_temp_block-1.block").write_bytes(b"spilled rows")
+    cert, _ = delete_subject(ws, sid)
+    assert cert["residual_scan"]["rows_remaining"] == 0
+    assert not staging_dir(ws.store).exists() and not (ws.store / ".work" / "spill").exists()
 
 
 def test_a_request_travels_as_the_keyed_hash(plain_ws, tmp_path):
