@@ -145,7 +145,7 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
              reruns: bool = True, clones: int | None = None) -> dict:
     k = clones or clones_for(demo, round(fraction * MIMIC_IV_ICU_STAYS))
     fraction = k * 140 / MIMIC_IV_ICU_STAYS
-    src = make_source(demo, work / f"src-{k}", k)
+    src = make_source(demo, work / f"src-{k}", k, folders=True)
     ws = work / f"ws-{k}-{task_runner}"
     shutil.rmtree(ws, ignore_errors=True)
     args = ["run", "--out", str(ws), "--source", str(src), "--task-runner", task_runner]

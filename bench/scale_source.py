@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -74,47 +75,91 @@ def _each_table(src: Path, dst: Path) -> Iterator[tuple[duckdb.DuckDBPyConnectio
     con.execute("SET preserve_insertion_order = true")
     for sub in ("hosp", "icu"):
         (dst / sub).mkdir(parents=True, exist_ok=True)
-        for f in sorted((src / sub).glob("*.csv.gz")):
+        for f in sorted(p for p in (src / sub).iterdir() if p.name.endswith(".csv.gz") or p.is_dir()):
             yield con, f, dst / sub / f.name
 
 
-def make_source(demo: Path, out: Path, clones: int) -> Path:
-    """``clones`` copies of the demo at ``out`` (kept when it already holds that many: the bench reruns)."""
+FIRST_PART = "part-0000.csv.gz"
+
+
+def _as_folders(out: Path) -> None:
+    """Each table with patient ids moved into a folder of its own, as its first file (``icu/chartevents.csv.gz``
+    -> ``icu/chartevents/part-0000.csv.gz``): the layout of a source whose extracts arrive as files."""
+    con = duckdb.connect()
+    for sub in ("hosp", "icu"):
+        for f in sorted((out / sub).glob("*.csv.gz")):
+            if any(c in ID_COLUMNS for c in _columns(con, f)):
+                folder = out / sub / f.name.removesuffix(".csv.gz")
+                folder.mkdir()
+                f.rename(folder / FIRST_PART)
+
+
+def make_source(demo: Path, out: Path, clones: int, folders: bool = False) -> Path:
+    """``clones`` copies of the demo at ``out`` (kept when it already holds that many: the bench reruns).
+    ``folders``: each table with patient ids a folder holding one file (:func:`_as_folders`), so that
+    :func:`add_new_rows` can deliver a night's rows as a new file."""
     demo, out = Path(demo), Path(out)
     marker = out / ".clones"
-    if marker.exists() and marker.read_text() == str(clones):
-        return out
-    for con, src, dst in _each_table(demo, out):
-        _clone_table(con, src, dst, clones)
-    marker.write_text(str(clones))
+    done = marker.read_text().split() if marker.exists() else []
+    if done == [str(clones)] and folders:
+        _as_folders(out)            # the same clones as whole files: moved, not written again
+    elif done[:1] != [str(clones)]:
+        for con, src, dst in _each_table(demo, out):
+            _clone_table(con, src, dst, clones)
+        if folders:
+            _as_folders(out)
+    elif (len(done) > 1) != folders:
+        raise SystemExit(f"{out} holds {clones} clones in the other layout: remove it to build this one")
+    marker.write_text(f"{clones} folders" if folders else str(clones))
     return out
+
+
+def _keep(f: Path, out: Path) -> None:
+    """An unchanged file of the source in the new one: a hard link (same size and mtime, as a night leaves
+    yesterday's files), a copy across file systems."""
+    try:
+        os.link(f, out)
+    except OSError:
+        shutil.copy2(f, out)
 
 
 def add_new_rows(demo: Path, src: Path, dst: Path, clones: int, fraction: float = 0.01) -> Path:
     """``src`` (``clones`` copies of ``demo``) plus about ``fraction`` new rows, as a night brings them: the
     stays of a few new patients (the first subjects of one more clone, about ``fraction`` of the stays) and
     late chart rows for about ``fraction`` of the existing stays (a charting backlog: a copy of each such
-    stay's chart rows, one minute later)."""
+    stay's chart rows, one minute later). A table that is a file is written again whole with them; a table
+    that is a folder (:func:`make_source`'s ``folders``) keeps its files and gets them as one new file."""
     demo, src, dst = Path(demo), Path(src), Path(dst)
     subjects = [r[0] for r in duckdb.sql(
         f"SELECT DISTINCT subject_id FROM read_csv({_lit(demo / 'icu' / 'icustays.csv.gz')}) ORDER BY 1").fetchall()]
     new = subjects[:max(1, round(fraction * len(subjects)))]
     offset = clones * ID_OFFSET
     for con, f, out in _each_table(src, dst):
-        cols = _columns(con, f)
+        folder = f.is_dir()
+        files = sorted(f.glob("*.csv.gz")) if folder else [f]
+        cols = _columns(con, files[0])
         if "subject_id" not in cols:
-            shutil.copyfile(f, out)
+            shutil.copytree(f, out) if folder else shutil.copyfile(f, out)
             continue
+        name = f.name if folder else f.name.removesuffix(".csv.gz")
         shifted = ", ".join(_shifted(c, str(offset)) if c in ID_COLUMNS else c for c in cols)
-        parts = [f"SELECT * FROM read_csv({_lit(f)}, all_varchar=true)",
-                 f"SELECT {shifted} FROM read_csv({_lit(demo / f.parent.name / f.name)}, all_varchar=true) "
-                 f"WHERE CAST(subject_id AS BIGINT) IN ({', '.join(map(str, new))})"]
-        if f.name == "chartevents.csv.gz":
+        reads = "[" + ", ".join(map(_lit, files)) + "]"
+        parts = [f"SELECT {shifted} FROM read_csv({_lit(demo / f.parent.name / (name + '.csv.gz'))}, "
+                 f"all_varchar=true) WHERE CAST(subject_id AS BIGINT) IN ({', '.join(map(str, new))})"]
+        if name == "chartevents":
             late = ", ".join("strftime(CAST(charttime AS TIMESTAMP) + INTERVAL 1 MINUTE, '%Y-%m-%d %H:%M:%S') "
                              "AS charttime" if c == "charttime" else c for c in cols)
-            parts.append(f"SELECT {late} FROM read_csv({_lit(f)}, all_varchar=true) "
+            parts.append(f"SELECT {late} FROM read_csv({reads}, all_varchar=true) "
                          f"WHERE hash(stay_id) % {round(1 / fraction)} = 0")
-        con.execute(f"COPY ({' UNION ALL '.join(parts)}) TO {_lit(out)} (FORMAT csv, HEADER, COMPRESSION gzip)")
+        if folder:
+            out.mkdir()
+            for part in files:
+                _keep(part, out / part.name)
+            target = out / f"part-{len(files):04d}.csv.gz"
+        else:
+            parts.insert(0, f"SELECT * FROM read_csv({reads}, all_varchar=true)")
+            target = out
+        con.execute(f"COPY ({' UNION ALL '.join(parts)}) TO {_lit(target)} (FORMAT csv, HEADER, COMPRESSION gzip)")
     return dst
 
 

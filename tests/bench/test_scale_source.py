@@ -40,3 +40,18 @@ def test_clones_new_rows_and_a_source_without_one_patient(tmp_path):
         assert (str(sid),) not in after
         assert len(after) == len(before) - before.count((str(sid),)) and len(after) < len(before), table
     assert (without / "icu" / "d_items.csv.gz").read_bytes() == (DEMO / "icu" / "d_items.csv.gz").read_bytes()
+
+
+def test_as_folders_a_night_s_rows_arrive_as_one_new_file_per_table(tmp_path):
+    src = source.make_source(DEMO, tmp_path / "src", 2)
+    files = _subjects(src / "icu" / "chartevents.csv.gz")
+    assert source.make_source(DEMO, tmp_path / "src", 2, folders=True) == src       # moved into folders
+    first = src / "icu" / "chartevents" / source.FIRST_PART
+    assert _subjects(first) == files and (src / "icu" / "d_items.csv.gz").exists()
+    newer = source.add_new_rows(DEMO, src, tmp_path / "plus", 2)
+    kept, night = newer / "icu" / "chartevents" / source.FIRST_PART, newer / "icu" / "chartevents" / "part-0001.csv.gz"
+    assert kept.stat().st_mtime_ns == first.stat().st_mtime_ns and kept.read_bytes() == first.read_bytes()
+    stays, new_stays = _subjects(src / "icu" / "icustays" / source.FIRST_PART), \
+        _subjects(newer / "icu" / "icustays" / "part-0001.csv.gz")
+    assert new_stays and not set(new_stays) & set(stays)
+    assert len(_subjects(night)) > 0
