@@ -11,9 +11,9 @@ import polars as pl
 
 from pipeline.extract import scratch_paths
 from pipeline.extract_rules import N_BUCKETS, sql_literal
-from pipeline.meds import (codes_metadata_path, quarantine_files, read_codes_metadata, shard_files, shard_of,
-                           stays_path, subject_splits_path, write_codes_metadata, write_label_file, write_shard,
-                           write_subject_splits)
+from pipeline.meds import (code_counts_sql, codes_metadata_path, quarantine_files, read_codes_metadata, shard_files,
+                           shard_of, stays_path, subject_splits_path, write_codes_metadata, write_label_file,
+                           write_shard, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
 
 from .plan import owner
@@ -82,8 +82,7 @@ def _codes(ws, txn) -> None:
     if not files or old is None:
         return
     sources = ", ".join(map(sql_literal, files))
-    new = pl.from_arrow(duckdb.sql(f"SELECT code, first(source_table) AS source_table, count(*) AS count "
-                                   f"FROM read_parquet([{sources}]) GROUP BY code").arrow())
+    new = pl.from_arrow(duckdb.sql(code_counts_sql(f"read_parquet([{sources}])")).arrow())
     new = new.join(old.select("code", "description", "parent_codes"), on="code", how="left")
     write_codes_metadata(txn.stage(codes_metadata_path(ws.store)), new)
 

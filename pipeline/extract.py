@@ -44,9 +44,9 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PE
                             bigint, bucket_of, csv_reader, dictionary_selects, event_selects, header_names,
                             quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
-                   codes_metadata_path, events_glob, is_meds_dataset, meds_shards, quarantine_dir, quarantine_files,
-                   read_codes_metadata, shard_files, shard_of, stage_meds, stays_path, write_codes_metadata,
-                   write_dataset_metadata, write_shard)
+                   code_counts_sql, codes_metadata_path, events_glob, is_meds_dataset, meds_shards, quarantine_dir,
+                   quarantine_files, read_codes_metadata, shard_files, shard_of, stage_meds, stays_path,
+                   write_codes_metadata, write_dataset_metadata, write_shard)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 
@@ -611,8 +611,7 @@ def _write_metadata(con, out: Path, source: Path, paths: dict) -> None:
     """
     if not shard_files(out):
         return
-    counts = pl.from_arrow(con.sql(f"SELECT code, any_value(source_table) AS source_table, count(*) AS count "
-                                   f"FROM read_parquet({sql_literal(events_glob(out))}) GROUP BY code").arrow())
+    counts = pl.from_arrow(con.sql(code_counts_sql(f"read_parquet({sql_literal(events_glob(out))})")).arrow())
     known = _descriptions(con, source, paths)
     codes = (counts.join(known, on="code", how="left") if known is not None else
              counts.with_columns(pl.lit(None, dtype=pl.String).alias("description"),

@@ -110,6 +110,13 @@ def codes_metadata_path(store: Path) -> Path:
     return Path(store) / meds.code_metadata_filepath
 
 
+def code_counts_sql(shards: str) -> str:
+    """Per code its count over ``shards`` (a DuckDB relation) and one source table: the first by name, so that
+    a code several tables write (``MEDS_DEATH``: patients and admissions) names the same table whatever order
+    the shards are read in."""
+    return f"SELECT code, min(source_table) AS source_table, count(*) AS count FROM {shards} GROUP BY code"
+
+
 def write_codes_metadata(path: Path, codes: pl.DataFrame) -> None:
     """Write ``codes`` (code, description, parent_codes as a list of str, and any extra columns) to ``path``
     (:func:`codes_metadata_path`, or a deletion's staged copy of it)."""

@@ -94,6 +94,9 @@ def test_the_store_is_a_valid_meds_dataset(ws):
     codes = pl.read_parquet(ws.store / meds.code_metadata_filepath)
     assert codes["code"].n_unique() == codes.height and codes["count"].sum() == scan_events(ws.store).select(
         pl.len()).collect().item()
+    # a code several tables write names one of them, the same whatever order the shards were read in
+    first = scan_events(ws.store).group_by("code").agg(pl.col("source_table").min()).collect()
+    assert codes.select("code", "source_table").sort("code").equals(first.sort("code"))
 
 
 def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
