@@ -136,7 +136,9 @@ class ExactSolver:
         """Exact batch solve over atoms ``idx`` (``kkt.solve_exact``), from ``start`` or else from
         scikit-learn's solution of the same atoms."""
         st = self.state
-        K = st.buf.K[np.ix_(idx, idx)]
+        n = len(idx)
+        # atoms in slots 0..n-1 (a memory's first solution): a block copy instead of a gather
+        K = st.buf.K[:n, :n].copy() if n and idx[-1] == n - 1 else st.buf.K[np.ix_(idx, idx)]
         if start is None:
             start = sklearn_alpha_guess(K, st.atoms.mult[idx], st.C)
         return solve_exact(K, box[idx], start, diag=st.diag, tol=st.tol * 1e-2)
@@ -154,8 +156,7 @@ class ExactSolver:
         """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
         st = self.state
         buf = st.buf
-        act = np.flatnonzero(buf.alpha[:st.n])
-        buf.g[slot] = st.rho - st.diag + 2.0 * (buf.K[slot, act] @ buf.alpha[act])
+        buf.g[slot] = core.decision_value_of(buf.K, buf.alpha, slot, st.n, st.rho, st.diag)
         status, mult = buf.status[slot], st.atoms.mult[slot]
         if status == BOUND or (mult == 1 and buf.g[slot] < -1e-2 * st.tol):
             # Below the boundary (or a bound atom whose box just grew): raise its coefficient.

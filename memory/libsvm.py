@@ -26,9 +26,12 @@ def sklearn_fit(K_tokens: np.ndarray, C: float, tol: float = 1e-12) -> tuple:
         return alpha, float(np.min(KERNEL_DIAGONAL["rbf"] - 2.0 * (K_tokens @ alpha)))
     # imported on first use: scikit-learn takes ~1.2 s to import, which every command paid before its work
     # started (a deletion's preflight, a rerun's imports), most of them without fitting anything
+    from sklearn import config_context
     from sklearn.svm import OneClassSVM
     model = OneClassSVM(kernel="precomputed", nu=min(nu, 1.0), tol=tol, shrinking=False, max_iter=-1)
-    model.fit(K_tokens)
+    # our own finite Gram matrix and parameters: scikit-learn's checks of them were most of a small seed's cost
+    with config_context(assume_finite=True, skip_parameter_validation=True):
+        model.fit(K_tokens)
     alpha = np.zeros(n)
     alpha[model.support_] = model.dual_coef_.ravel() / (nu * n)
     rho_lib = float(model.offset_[0])
@@ -37,6 +40,8 @@ def sklearn_fit(K_tokens: np.ndarray, C: float, tol: float = 1e-12) -> tuple:
 
 def sklearn_alpha_guess(K_atoms: np.ndarray, mult: np.ndarray, C: float) -> np.ndarray:
     """Atom coefficients from a sklearn fit with each atom expanded into its copies."""
+    if (mult == 1).all():
+        return sklearn_fit(K_atoms, C)[0]
     rep = np.repeat(np.arange(len(mult)), mult)
     alpha_tok, _ = sklearn_fit(K_atoms[np.ix_(rep, rep)], C)
     return np.bincount(rep, weights=alpha_tok, minlength=len(mult))

@@ -197,3 +197,33 @@ def test_a_policy_takes_only_the_options_it_names_and_a_misspelled_one_is_refuse
         Recency(4, seed=1)
     with pytest.raises(TypeError, match="gama"):
         make_policy("sv_certified", 4, gama=0.5)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_policy_keeps_every_event_of_a_stream_no_longer_than_its_budget(name):
+    """What token scoring skips running (``cohorts.protocols.score_streaming``): a policy evicts only past its
+    budget, so a stream that never exceeds it is kept whole, with no eviction."""
+    X = cloud_with_outliers()[0][:16]
+    pol = POLICIES[name](16)
+    for i, x in enumerate(X):
+        pol.learn_one(x, x, i)
+    assert pol.kept() == set(range(16))
+    if isinstance(pol, SVSelection):
+        assert pol.certified + pol.uncertified == 0
+
+
+def test_streaming_rows_of_a_stream_within_the_budget_are_those_of_running_every_policy(tmp_path):
+    from cohorts.protocols import STREAMING_POLICIES, StreamingSettings, TokenStream, score_streaming
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((20, 3))
+    y = np.arange(20) % 3 == 0
+    stream = TokenStream(5, 5, {"all_channels": X}, {"composite_vitals": y}, {"composite_vitals": "all_channels"},
+                         memory_path=str(tmp_path / "m.npz"))
+    settings = StreamingSettings(nu=0.5, sigma=3.0)
+    skipped = score_streaming(stream, [("32", 32)], settings)
+    assert not (tmp_path / "m.npz").exists()
+    run = score_streaming(stream, [("32", 32)], settings, memory_budget=32)  # its memory is kept: every policy runs
+    assert (tmp_path / "m.npz").exists()
+    assert skipped == run
+    assert {r["policy"] for r in run} == set(STREAMING_POLICIES)
+    assert all(r["value"] == 1.0 for r in run if r["metric"] == "retention")
