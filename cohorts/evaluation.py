@@ -202,13 +202,19 @@ def _blocks(n_resamples: int, n: int):
         yield min(rows, n_resamples - lo)
 
 
+# A cached set of draws is held as native indices up to this size: gathering with int16 indices converts them on
+# every use, 2.5-4.5x the gather itself (10,000 resamples of 280 values: 17 ms against 3.8 ms).
+NATIVE_INDEX_BYTES = 64 << 20
+
+
 @functools.lru_cache(maxsize=4)
 def _resample_indices(n: int, n_boot: int, seed: int) -> tuple[np.ndarray, ...]:
     """The bootstrap's draws for ``n`` values, block by block, as the seeded generator gives them: every group of a
     run with ``n`` stays draws these same indices, so they are drawn once (drawing cost ~3x the resampling
-    itself); int16 where ``n`` allows, to bound the cache."""
+    itself); native indices up to NATIVE_INDEX_BYTES, int16 past it where ``n`` allows, to bound the cache."""
     rng = np.random.default_rng(seed)
-    dtype = np.int16 if n <= np.iinfo(np.int16).max else np.int64
+    native = n * n_boot * np.dtype(np.intp).itemsize <= NATIVE_INDEX_BYTES
+    dtype = np.intp if native or n > np.iinfo(np.int16).max else np.int16
     return tuple(rng.integers(0, n, size=(m, n)).astype(dtype) for m in _blocks(n_boot, n))
 
 
@@ -228,7 +234,7 @@ def bootstrap_ci(x: list | np.ndarray, n_boot: int = 10_000, seed: int = 0, leve
     if len(x) > RESAMPLE_MAX_N:     # the bootstrap distribution of the mean: normal, sd = plug-in sd / sqrt(n)
         half = NormalDist().inv_cdf(1 - (1 - level) / 2) * x.std() / np.sqrt(len(x))
         return float(x.mean() - half), float(x.mean() + half)
-    means = np.concatenate([x[idx].mean(1) for idx in _resample_indices(len(x), n_boot, seed)])
+    means = np.concatenate([np.take(x, idx).mean(1) for idx in _resample_indices(len(x), n_boot, seed)])
     lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(lo), float(hi)
 
