@@ -309,12 +309,20 @@ class SVMemory:
         """Replace the memory's contents by the rows of ``X`` (auto-associative: each row is its own value;
         token ids 0..n-1 unless given), solved in one batch; returns the memory.
 
-        The state equals the maintained path's after adding the rows one by one (the problem's optimum, unique
-        for distinct keys, with exact zeros): scikit-learn's solution snapped to an exact KKT state, as a new
-        memory is seeded, over one Gram matrix instead of n solver operations (4x faster for a stay's full
-        history). Where that batch solve does not reach ``tol`` the rows are added one by one instead.
+        The state is the one adding the rows one by one reaches, to rounding (the problem's optimum, unique for
+        distinct keys; the same partition, exact zeros, coefficients within 1e-12 in the tests):
+        scikit-learn's solution snapped to an exact KKT state, as a new memory is seeded, over one Gram matrix
+        instead of n solver operations (4x faster for a stay's full history). Where that batch solve does not
+        reach ``tol`` the rows are added one by one instead (which raises SolverError where :meth:`add` would).
         """
-        Q, _ = self._check_queries(X)
+        try:
+            Q = np.asarray(X, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InvalidKeyError(f"fit takes a numeric array of keys, one per row, got {X!r}") from None
+        if Q.ndim != 2 or Q.shape[1] == 0:
+            raise InvalidKeyError(f"fit takes a 2-D array of keys, one per row, got shape {np.shape(X)}")
+        if not np.isfinite(Q).all():
+            raise InvalidKeyError("keys have non-finite entries")
         ids = list(range(len(Q))) if token_ids is None else list(token_ids)
         if len(ids) != len(Q) or len(set(ids)) != len(ids):
             raise ValueError(f"fit needs one distinct token id per row: {len(Q)} rows, {len(set(ids))} distinct ids")

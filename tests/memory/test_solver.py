@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from memory import SolverError, SVMemory, verify_against_refit
+from memory import InvalidKeyError, SolverError, SVMemory, verify_against_refit
 from memory.kernels import rbf
 from memory.kkt import solve_exact
 
@@ -416,6 +416,11 @@ def test_fit_replaces_the_contents_and_falls_back_to_adding_when_the_batch_solve
     assert max(abs(a[t] - b[t]) for t in a) <= 1e-12
     with pytest.raises(ValueError, match="one distinct token id per row"):
         mem.fit(X, token_ids=["same"] * len(X))
+    with pytest.raises(InvalidKeyError, match="non-finite"):
+        mem.fit(np.array([[0.0, np.nan]]))
+    with pytest.raises(InvalidKeyError, match="2-D array of keys"):
+        mem.fit(np.zeros(3))
+    assert mem.n_tokens == len(X)  # a refused fit leaves the memory as it was
 
 
 def test_the_compiled_kernel_row_and_decision_value_equal_numpys_bit_for_bit():
