@@ -227,3 +227,16 @@ def test_streaming_rows_of_a_stream_within_the_budget_are_those_of_running_every
     assert skipped == run
     assert {r["policy"] for r in run} == set(STREAMING_POLICIES)
     assert all(r["value"] == 1.0 for r in run if r["metric"] == "retention")
+
+
+def test_the_compiled_resampling_means_are_numpys_to_the_bit():
+    """``cohorts.resampling`` sums each resample in numpy's pairwise order instead of materialising it: every
+    length a run meets (below 8, one block of 128, split halves) gives numpy's numbers exactly."""
+    from cohorts.resampling import flipped_means, resampled_means
+    rng = np.random.default_rng(2)
+    for n in [1, 2, 7, 8, 9, 15, 16, 17, 127, 128, 129, 255, 256, 257, 300, 777, 1370, 2000]:
+        x = rng.standard_normal(n) * rng.uniform(0.01, 100.0)
+        draws = rng.integers(0, n, size=(30, n)).astype(np.int16)
+        assert np.array_equal(resampled_means(x, draws), x[draws].mean(1))
+        flips = rng.choice([-1.0, 1.0], size=(30, n)).astype(np.int8)
+        assert np.array_equal(flipped_means(x, flips), (flips * x).mean(1))
