@@ -83,22 +83,20 @@ def _pairwise_sum(x, idx, w, lo, n):
 
 
 @njit(cache=True)
+def _row_means(x, idx, w):
+    """For each row b: the mean of x[idx[b, i]] * w[b, i]; an argument with one row serves every row."""
+    m, n = max(idx.shape[0], w.shape[0]), idx.shape[1]
+    out = np.empty(m)
+    for b in range(m):
+        out[b] = (0.0 + _pairwise_sum(x, idx[min(b, idx.shape[0] - 1)], w[min(b, w.shape[0] - 1)], 0, n)) / n
+    return out
+
+
 def resampled_means(x: np.ndarray, draws: np.ndarray) -> np.ndarray:
     """``x[draws].mean(1)``: the mean of each row of draws (indices into x, any integer type)."""
-    m, n = draws.shape
-    ones = np.ones(n)
-    out = np.empty(m)
-    for b in range(m):
-        out[b] = (0.0 + _pairwise_sum(x, draws[b], ones, 0, n)) / n
-    return out
+    return _row_means(x, draws, np.ones((1, draws.shape[1])))
 
 
-@njit(cache=True)
 def flipped_means(d: np.ndarray, flips: np.ndarray) -> np.ndarray:
     """``(flips * d).mean(1)``: the mean of d under each row of signs (+-1, any numeric type)."""
-    m, n = flips.shape
-    order = np.arange(n)
-    out = np.empty(m)
-    for b in range(m):
-        out[b] = (0.0 + _pairwise_sum(d, order, flips[b], 0, n)) / n
-    return out
+    return _row_means(d, np.arange(flips.shape[1])[None, :], flips)
