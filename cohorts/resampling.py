@@ -22,8 +22,10 @@ def _block_sum(x, idx, w, lo, n):
         for i in range(lo, lo + n):
             res += x[idx[i]] * w[i]
         return res
-    r0, r1, r2, r3 = x[idx[lo]] * w[lo], x[idx[lo + 1]] * w[lo + 1], x[idx[lo + 2]] * w[lo + 2], x[idx[lo + 3]] * w[lo + 3]
-    r4, r5, r6, r7 = x[idx[lo + 4]] * w[lo + 4], x[idx[lo + 5]] * w[lo + 5], x[idx[lo + 6]] * w[lo + 6], x[idx[lo + 7]] * w[lo + 7]
+    r0, r1 = x[idx[lo]] * w[lo], x[idx[lo + 1]] * w[lo + 1]
+    r2, r3 = x[idx[lo + 2]] * w[lo + 2], x[idx[lo + 3]] * w[lo + 3]
+    r4, r5 = x[idx[lo + 4]] * w[lo + 4], x[idx[lo + 5]] * w[lo + 5]
+    r6, r7 = x[idx[lo + 6]] * w[lo + 6], x[idx[lo + 7]] * w[lo + 7]
     i = lo + 8
     end = lo + n - n % 8
     while i < end:

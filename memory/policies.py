@@ -37,8 +37,9 @@ def _constructor_options(cls: type) -> frozenset:
 class Policy:
     """A budgeted streaming memory (river's one-event API): :meth:`learn_one` offers one event, :meth:`kept`
     returns the ids held, never more than ``budget``, and every event offered while it holds fewer (a policy
-    evicts only past its budget: scoring relies on it, and a test holds every policy to it). ``key_source``: which keys of a stream it reads, the event
-    keys or the learned ones. A subclass's constructor names every option it takes; anything else is an error."""
+    evicts only past its budget: scoring relies on it, and a test holds every policy to it). ``key_source``:
+    which keys of a stream it reads, the event keys or the learned ones. A subclass's constructor names every
+    option it takes; anything else is an error."""
     name = ""
     key_source = "event"
 

@@ -498,9 +498,11 @@ class SVMemory:
         """The reserve token whose g is largest (the least likely to be needed again), or None."""
         self.check_fitted()
         st = self._state
-        if core.reserve_with_largest_g(st.buf.status, st.buf.g, st.n) < 0:
-            return None  # checked first: reading g exactly recomputes it, which the state need not pay for
-        slot = core.reserve_with_largest_g(st.buf.status, self._solver.exact_maintained_g(), st.n)
+        slot = core.reserve_with_largest_g(st.buf.status, st.buf.g, st.n)
+        if slot < 0:
+            return None
+        if st.g_err:  # the maintained g carries an error bound: the largest exact g decides
+            slot = core.reserve_with_largest_g(st.buf.status, self._solver.exact_maintained_g(), st.n)
         return st.atoms.token_lists[slot][0]
 
     def smallest_active(self) -> Hashable:
