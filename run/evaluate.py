@@ -32,6 +32,7 @@ from .steps import (EMBEDDED_SOURCE, prepare_token_run, run_metadata, run_statis
 if TYPE_CHECKING:
     from cohorts.config import CohortConfig
     from collections.abc import Callable
+    from pathlib import Path
 
     from pipeline.workspace import Workspace
 
@@ -129,12 +130,14 @@ class PreparedRun:
         return RunResult(tuple(summary), tuple(paired), self.cohort, metadata, origin), scored
 
 
-def prepare(ws: Workspace, params: RunParams, cfg: CohortConfig | None = None) -> PreparedRun:
-    """The cohort's phases of a run over ``ws`` (its config unless ``cfg`` is given)."""
+def prepare(ws: Workspace, params: RunParams, cfg: CohortConfig | None = None,
+            removed_from: Path | None = None) -> PreparedRun:
+    """The cohort's phases of a run over ``ws`` (its config unless ``cfg`` is given); ``removed_from``: see
+    :func:`run.token_run.stay_facts`."""
     started = time.perf_counter()
     cfg = cfg or workspace_config(ws.root)
     if params.tokens is StreamMode.HOURLY:
-        index, cohort = prepare_token_run(ws, cfg, chunk_stays=params.chunk_stays)
+        index, cohort = prepare_token_run(ws, cfg, chunk_stays=params.chunk_stays, removed_from=removed_from)
         return PreparedRun(ws, params, cfg, cohort, started, index=index)
     streams, cohort = workspace_event_streams(ws, cfg, params.max_events)
     return PreparedRun(ws, params, cfg, cohort, started, streams=streams)
@@ -163,10 +166,11 @@ def rerun_params(ws: Workspace) -> RunParams | None:
 
 def rerun(ws: Workspace, last_run_of: Workspace | None = None) -> PreparedRun | None:
     """The last run of ``last_run_of`` (default: ``ws``) prepared again, with its parameters, over ``ws`` as it
-    is now (a deletion's view of the workspace) under ``ws``'s config: None when it cannot be rerun
-    (:func:`rerun_params`)."""
+    is now (a deletion's view of the workspace, whose store is ``last_run_of``'s with whole subjects removed)
+    under ``ws``'s config: None when it cannot be rerun (:func:`rerun_params`)."""
     params = rerun_params(last_run_of or ws)
-    return prepare(ws, params) if params is not None else None
+    removed_from = last_run_of.store if last_run_of is not None else None
+    return prepare(ws, params, removed_from=removed_from) if params is not None else None
 
 
 def evaluate(ws: Workspace, params: RunParams, map_chunks: ChunkMap = process_pool_map,

@@ -99,13 +99,15 @@ def workspace_event_streams(ws: Workspace, cfg: CohortConfig, max_events: int | 
     return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
 
 
-def prepare_token_run(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256) -> tuple[StayIndex, dict]:
+def prepare_token_run(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256,
+                      removed_from: Path | None = None) -> tuple[StayIndex, dict]:
     """The first two phases of an hourly-token run over a workspace (:mod:`run.token_run`): per-stay facts
     chunk by chunk, then labels, MEDS label files and splits, token scaling and the streaming setting.
-    Returns the run's index of stays (patient-level; it stays in the process) and the cohort's summary."""
+    Returns the run's index of stays (patient-level; it stays in the process) and the cohort's summary.
+    ``removed_from``: see :func:`run.token_run.stay_facts`."""
     total = build_cohort(ws.store, cfg).height
     with progress.step("tokens", total=total, unit="stays") as advance:
-        index = stay_facts(ws, cfg, chunk_stays=chunk_stays, on_chunk=advance)
+        index = stay_facts(ws, cfg, chunk_stays=chunk_stays, on_chunk=advance, removed_from=removed_from)
     with progress.step("labels", total=total, unit="stays") as advance:
         summary = label_run(ws, index, cfg, chunk_stays=chunk_stays, on_shard=advance)
         write_subject_splits(subject_splits_path(ws.store), subject_splits(ws.store, cfg))

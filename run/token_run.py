@@ -121,13 +121,17 @@ def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], c
     return {"tokens": tokens, "facts": facts.join(per_channel, on="key", how="left"), "fired": fired, "codes": codes}
 
 
-def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chunk: Callable | None = None) -> StayIndex:
+def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chunk: Callable | None = None,
+               removed_from: Path | None = None) -> StayIndex:
     """Phase 1: every cohort stay's content key, and the per-stay facts of the stays not yet cached.
 
-    ``on_chunk(n)`` is told the stays of every chunk done (progress)."""
+    ``on_chunk(n)`` is told the stays of every chunk done (progress). ``removed_from``: the store that ``ws``'s
+    was made from by removing whole subjects (a deletion's view): a shard whose index was made from that store
+    keeps the keys of the stays still there, whose events are the same rows, instead of reading the shard's
+    events again to recompute them."""
     store = ws.store
-    cohort = build_cohort(store, cfg)
-    cohort = cohort.with_columns((pl.col("subject_id") % N_BUCKETS).cast(pl.Int64).alias("shard"))
+    cohort = _with_shard(build_cohort(store, cfg))
+    before = _with_shard(build_cohort(removed_from, cfg)) if removed_from is not None else None
     cfg_key = _digest(cfg.digest, code_digest())
     channels = cfg.channels
     names = [c.name for c in channels]
@@ -143,6 +147,17 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
         present = caches["facts"].keys(shard)
         if index.get("fingerprint") == fp and all(index["keys"].get(r) in present for r in refs):
             keys_all.update({s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)})
+            if on_chunk is not None:
+                on_chunk(rows.height)
+            continue
+        if (before is not None and all(index.get("keys", {}).get(r) in present for r in refs)
+                and index.get("fingerprint") == _shard_fingerprint(
+                    removed_from, shard, before.filter(pl.col("shard") == shard).drop("shard"), cfg_key)):
+            shard_keys = {s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)}
+            for cache in caches.values():     # compacted to the stays still there, as after a recomputation
+                cache.update(shard, set(shard_keys.values()))
+            _save_index(ws, shard, fp, dict(zip(refs, shard_keys.values())))
+            keys_all.update(shard_keys)
             if on_chunk is not None:
                 on_chunk(rows.height)
             continue
@@ -169,6 +184,10 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
         keys_all.update(shard_keys)
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
     return StayIndex(cohort.with_columns(key_col), computed={"tokens": computed})
+
+
+def _with_shard(cohort: pl.DataFrame) -> pl.DataFrame:
+    return cohort.with_columns((pl.col("subject_id") % N_BUCKETS).cast(pl.Int64).alias("shard"))
 
 
 def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: CohortConfig) -> None:

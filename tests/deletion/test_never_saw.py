@@ -186,3 +186,30 @@ def test_replay_starts_from_the_latest_snapshot_before_the_patient_and_equals_a_
         assert CohortMemory.load(s).watermark < first[sid] or not CohortMemory.load(s).tokens_of(
             subject_ref(sid, load_key()))
     assert_equal_workspaces(ws, never_saw(source, tmp_path, [sid]))
+
+
+@pytest.mark.slow
+def test_a_replay_keeps_the_content_keys_of_the_other_stays_of_the_patients_shards(tmp_path, monkeypatch):
+    """Patients who share their shards with others: the deletion's rerun carries those others' content keys over
+    (their events are the same rows) instead of reading the shards' events again, and ends with the keys a run
+    that never saw the patients computes."""
+    import run.token_run as token_run
+    source = generate(tmp_path / "source", GeneratorConfig(n_patients=24, seed=6))
+    ws = Workspace(tmp_path / "full")
+    extract(source, ws.store, key=load_key())
+    run(ws)
+    stays = pl.read_parquet(ws.store / "stays.parquet")
+    shared = (stays.group_by((pl.col("subject_id") % 16).alias("shard")).agg(pl.col("subject_id").unique().sort())
+              .filter(pl.col("subject_id").list.len() > 1).sort("shard")["subject_id"].to_list())
+    sids = [group[0] for group in shared[:2]]
+    assert len(sids) == 2
+    digested = []
+    real = token_run.stay_digests
+    monkeypatch.setattr(token_run, "stay_digests", lambda events, chunk: digested.append(chunk.height) or
+                        real(events, chunk))
+    delete_subjects(ws, sids, mode="replay")
+    assert digested == []
+    never = never_saw(source, tmp_path, sids)
+    assert_equal_workspaces(ws, never)
+    keys = {f.name: json.loads(f.read_text())["keys"] for f in sorted(ws.cache.glob("index/*.json"))}
+    assert keys == {f.name: json.loads(f.read_text())["keys"] for f in sorted(never.cache.glob("index/*.json"))}
