@@ -145,38 +145,35 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
         refs = _stay_refs(rows["stay_id"].to_list(), secret)
         index = _load_index(ws, shard)
         present = caches["facts"].keys(shard)
-        if index.get("fingerprint") == fp and all(index["keys"].get(r) in present for r in refs):
+        known = all(index.get("keys", {}).get(r) in present for r in refs)
+        if known and index.get("fingerprint") == fp:
             keys_all.update({s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)})
             if on_chunk is not None:
                 on_chunk(rows.height)
             continue
-        if (before is not None and all(index.get("keys", {}).get(r) in present for r in refs)
-                and index.get("fingerprint") == _shard_fingerprint(
-                    removed_from, shard, before.filter(pl.col("shard") == shard).drop("shard"), cfg_key)):
+        if known and before is not None and index.get("fingerprint") == _shard_fingerprint(
+                removed_from, shard, before.filter(pl.col("shard") == shard).drop("shard"), cfg_key):
+            # indexed from the shard before whole subjects left it: the stays still there are the same rows
             shard_keys = {s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)}
-            for cache in caches.values():     # compacted to the stays still there, as after a recomputation
-                cache.update(shard, set(shard_keys.values()))
-            _save_index(ws, shard, fp, dict(zip(refs, shard_keys.values())))
-            keys_all.update(shard_keys)
             if on_chunk is not None:
                 on_chunk(rows.height)
-            continue
-        shard_keys = {}
-        for chunk in plan_chunks(rows, chunk_stays):
-            events = chunk_events(store, chunk)
-            digests = stay_digests(events, chunk.stays)
-            keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
-            shard_keys.update(keys)
-            todo = {s: k for s, k in keys.items() if k not in present}
-            if todo:     # appended chunk by chunk: a shard's new facts are never gathered
-                mine = pl.Series(list(todo), dtype=pl.Int64).implode()
-                part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
-                for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo, cfg,
-                                                spec, names).items():
-                    caches[kind].append(shard, [frame])
-                computed += len(todo)
-            if on_chunk is not None:
-                on_chunk(len(chunk))
+        else:
+            shard_keys = {}
+            for chunk in plan_chunks(rows, chunk_stays):
+                events = chunk_events(store, chunk)
+                digests = stay_digests(events, chunk.stays)
+                keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
+                shard_keys.update(keys)
+                todo = {s: k for s, k in keys.items() if k not in present}
+                if todo:     # appended chunk by chunk: a shard's new facts are never gathered
+                    mine = pl.Series(list(todo), dtype=pl.Int64).implode()
+                    part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
+                    for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo, cfg,
+                                                    spec, names).items():
+                        caches[kind].append(shard, [frame])
+                    computed += len(todo)
+                if on_chunk is not None:
+                    on_chunk(len(chunk))
         wanted = set(shard_keys.values())
         for cache in caches.values():
             cache.update(shard, wanted)
