@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from memory import InvalidKeyError, SolverError, SVMemory, verify_against_refit
 from memory.kernels import rbf
 from memory.kkt import solve_exact
+from memory.policies import SVSelection
 
 KKT_TOL = 1e-10
 
@@ -438,3 +439,60 @@ def test_the_compiled_kernel_row_and_decision_value_equal_numpys_bit_for_bit():
     act = np.flatnonzero(alpha)
     for slot in range(70):
         assert core.decision_value_of(K, alpha, slot, 70, 0.25, 1.0) == 0.25 - 1.0 + 2.0 * (K[slot, act] @ alpha[act])
+
+
+def _stream_both_ways(X, budget, gamma, folder):
+    """A budgeted SV stream over X with the pass-through, and without it (add, then evict): the two policies,
+    their saved states' bytes, and how many tokens passed through."""
+    real = SVMemory.pass_through
+    passed = []
+
+    def counted(self, *args, **kwargs):
+        taken = real(self, *args, **kwargs)
+        passed.append(taken)
+        return taken
+
+    policies, saved = [], []
+    for through in (counted, lambda self, *args, **kwargs: False):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(SVMemory, "pass_through", through)
+            pol = SVSelection(budget, gamma=gamma)
+            for i, x in enumerate(X):
+                pol.learn_one(x, None, i)
+        path = folder / f"{len(policies)}.npz"
+        pol.memory.save(path)
+        policies.append(pol)
+        saved.append(path.read_bytes())
+    return policies, saved, sum(passed)
+
+
+stream_scenario = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1),
+    "regime": st.sampled_from(["random", "clustered", "duplicated", "near_duplicate"]),
+    "n": st.integers(20, 160),
+    "d": st.integers(2, 5),
+    "budget": st.integers(4, 24),
+    "gamma": st.floats(0.02, 3.0),   # a wide kernel puts most new keys inside the description: they pass
+})
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(stream_scenario)
+def test_a_budgeted_stream_passing_tokens_through_ends_in_the_state_add_and_evict_reach_to_the_byte(tmp_path_factory, sc):
+    """``pass_through`` (a new reserve atom with the largest slack, added and evicted at once) leaves what
+    ``add``, ``reserve_with_largest_slack`` and a certified ``evict`` leave: the same evictions in the same order
+    and the same saved state, byte for byte (keys, Gram matrix, g and the stale rows of free slots included)."""
+    X = make_keys(np.random.default_rng(sc["seed"]), sc["regime"], sc["n"], sc["d"])
+    (fast, slow), (a, b), _ = _stream_both_ways(X, sc["budget"], sc["gamma"], tmp_path_factory.mktemp("pass"))
+    assert fast.certified_ids == slow.certified_ids and fast.uncertified == slow.uncertified
+    assert a == b
+    x = X[len(X) // 2] + 0.5      # and they go on in step
+    fast.learn_one(x, None, "next")
+    slow.learn_one(x, None, "next")
+    assert fast.memory.state_digest() == slow.memory.state_digest()
+
+
+def test_most_tokens_of_a_wide_kernels_stream_pass_through_and_end_where_adding_them_ends(tmp_path):
+    X = make_keys(np.random.default_rng(3), "random", 400, 3)
+    (fast, slow), (a, b), passed = _stream_both_ways(X, 16, 0.05, tmp_path)
+    assert passed > 200 and a == b and fast.certified_ids == slow.certified_ids
