@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 
 from pipeline.extract import scratch_paths
 from pipeline.extract_rules import N_BUCKETS, sql_literal
@@ -34,26 +37,37 @@ def _per_subject(frame: pl.DataFrame, sids: list[int], column: str = "subject_id
     return {sid: int(found.get(sid, 0)) for sid in sids}
 
 
+def _write_without(shard: Path, gone: str, staged: Path) -> None:
+    """``shard``'s rows of every subject but those in ``gone`` (ids, SQL) into ``staged``, streamed by DuckDB."""
+    con = duckdb.connect()
+    try:
+        write_shard(con, f"SELECT * FROM read_parquet({sql_literal(shard)}) WHERE subject_id NOT IN ({gone})", staged)
+    finally:
+        con.close()
+
+
 def _events(ws, txn, sids) -> dict[int, dict]:
-    """Each subject's shard rewritten without the deleted subjects, streamed by DuckDB (a shard is already sorted,
-    so the kept rows stay a valid MEDS shard); per subject, the events removed per table."""
+    """Each subject's shard rewritten without the deleted subjects (a shard is already sorted, so the kept rows
+    stay a valid MEDS shard); per subject, the events removed per table. The shards are written side by side: a
+    batch's subjects touch most of them, and one shard's write is mostly a single thread's parquet encoding."""
     removed = {sid: {} for sid in sids}
-    for shard in sorted({shard_of(ws.store, sid) for sid in sids}):
-        if not shard.exists():
-            continue
-        con = duckdb.connect()
-        try:
-            src, gone = f"read_parquet({sql_literal(shard)})", sorted(sids)
-            for sid, table, n in con.execute(f"SELECT subject_id, source_table, count(*) FROM {src} WHERE "
-                                             f"list_contains(?, subject_id) GROUP BY ALL", [gone]).fetchall():
+    gone = ", ".join(str(int(sid)) for sid in sids)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        writes = []
+        for shard in sorted({shard_of(ws.store, sid) for sid in sids}):
+            if not shard.exists():
+                continue
+            # an IN list of literals lets DuckDB skip the row groups (sorted by subject) that hold none of them
+            found = duckdb.sql(f"SELECT subject_id, source_table, count(*) FROM read_parquet({sql_literal(shard)}) "
+                               f"WHERE subject_id IN ({gone}) GROUP BY ALL").fetchall()
+            for sid, table, n in found:
                 removed[int(sid)][table] = int(n)
-            keep = f"SELECT * FROM {src} WHERE NOT list_contains(?, subject_id)"
-            if con.execute(f"SELECT count(*) FROM ({keep})", [gone]).fetchall()[0][0]:
-                write_shard(con, keep, txn.stage(shard), [gone])
+            if pq.ParquetFile(shard).metadata.num_rows > sum(n for *_, n in found):
+                writes.append(pool.submit(_write_without, shard, gone, txn.stage(shard)))
             else:
                 txn.delete(shard)
-        finally:
-            con.close()
+        for w in writes:
+            w.result()
     return removed
 
 
