@@ -12,11 +12,17 @@ The server is launched with Prefect's own command for its temporary server (uvic
 ``prefect.server.api.server:create_app`` with the ephemeral flags) rather than through
 ``SubprocessASGIServer.start``, because that call blocks until the server answers and its module alone takes
 ~3 s to import, which the command's process never otherwise needs.
+
+A command whose own checks take seconds (a deletion reads the workspace's memories) launches the server from the
+environment alone (:func:`launch_early`), before Prefect is imported here (~3 s) and before those checks, so the
+server boots meanwhile; :func:`begin` then holds it to Prefect's settings (a configured API or another home
+ends it and goes on as before). A command that refuses after it leaves with the server stopped, as at any exit.
 """
 from __future__ import annotations
 
 import atexit
 import fcntl
+import importlib.util
 import os
 import socket
 import subprocess
@@ -51,12 +57,15 @@ def _free_port() -> int:
 
 @dataclass
 class PendingServer:
-    """A temporary server on its way up (``process``), or a configured API (``configured_url``)."""
+    """A temporary server on its way up (``process``, under PREFECT_HOME ``home``), or a configured API
+    (``configured_url``)."""
     configured_url: str | None = None
     process: subprocess.Popen | None = None
     port: int = 0
     started: float = field(default_factory=time.monotonic)
     start_lock: IO | None = None
+    home: Path | None = None
+    settings_env: dict | None = None
 
     @property
     def api_url(self) -> str:
@@ -65,14 +74,14 @@ class PendingServer:
 
 def _launch(pending: PendingServer) -> None:
     """Start the server process on a free port, and its watcher: the server must end with this command even
-    when no exit path of ours runs (a kill)."""
-    import prefect
-    from prefect.settings import get_current_settings
+    when no exit path of ours runs (a kill). Prefect's settings as this process resolved them are passed on
+    (``settings_env``; None: the server resolves them itself, from the same environment and files)."""
     pending.port = _free_port()
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-           **get_current_settings().to_environment_variables(exclude_unset=True)}
-    pending.process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir",
-                                        str(prefect.__module_path__.parent), "--factory",
+           **(pending.settings_env or {})}
+    # Prefect's package folder, found without importing Prefect (its import is what the early launch saves)
+    app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
+    pending.process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
                                         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
                                         str(pending.port), "--log-level", "error", "--lifespan", "on"],
                                        env=env, stdin=subprocess.DEVNULL)
@@ -81,23 +90,46 @@ def _launch(pending: PendingServer) -> None:
                      stderr=subprocess.DEVNULL)
 
 
-def begin() -> PendingServer:
-    """Start the temporary server without waiting for it (nothing when an API URL is configured)."""
-    from prefect.settings import PREFECT_API_URL, get_current_settings
-    if PREFECT_API_URL.value():
-        return PendingServer(configured_url=PREFECT_API_URL.value())
+def _start(home: Path, settings_env: dict | None = None) -> PendingServer:
     # Servers started together on a fresh PREFECT_HOME race on creating its database ("index ... already
     # exists"): one at a time from launch until the server answers, i.e. until its migrations are done.
-    home = Path(get_current_settings().home)
     home.mkdir(parents=True, exist_ok=True)
     lock = open(home / ".forgetful-server-start.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
-    pending = PendingServer(start_lock=lock)
+    pending = PendingServer(start_lock=lock, home=home, settings_env=settings_env)
     _launch(pending)
     # Stopped at exit, as Prefect stops its own: registered before Prefect's log and event services start, so
     # their exit hooks (which drain into the server) run first.
     atexit.register(stop, pending)
     return pending
+
+
+def launch_early() -> PendingServer | None:
+    """Start the temporary server from the environment alone, before Prefect is imported here; None when the
+    environment names an API (PREFECT_API_URL) or the home's database is not made yet (a server stopped by a
+    refusal while it creates one would leave it half made: the first command's server starts after its checks).
+    :func:`begin` adopts it or ends it."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    # Prefect's own default home (its setting ``home``); :func:`begin` compares it with the resolved one
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().resolve()
+    if not (home / "prefect.db").exists():
+        return None
+    return _start(home)
+
+
+def begin(early: PendingServer | None = None) -> PendingServer:
+    """The temporary server on its way up, without waiting for it: ``early``'s when Prefect's settings agree
+    with the environment it was launched from, else one started now; nothing when an API URL is configured."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings
+    settings = get_current_settings()
+    home = Path(settings.home).expanduser().resolve()
+    if early is not None and (PREFECT_API_URL.value() or early.home != home):
+        stop(early)     # a profile or settings file names an API or another home than the environment did
+        early = None
+    if PREFECT_API_URL.value():
+        return PendingServer(configured_url=PREFECT_API_URL.value())
+    return early or _start(home, settings.to_environment_variables(exclude_unset=True))
 
 
 def wait_until_up(pending: PendingServer) -> str:
@@ -127,9 +159,7 @@ def wait_until_up(pending: PendingServer) -> str:
                     pass
                 time.sleep(0.1)
     finally:
-        if pending.start_lock is not None:
-            pending.start_lock.close()
-            pending.start_lock = None
+        _release_start_lock(pending)
     stop(pending)
     raise ServerStartError(f"Prefect's temporary API server did not answer within {limit:g} s (the machine may be "
                            f"busy): set {STARTUP_TIMEOUT_SETTING} to wait longer, or PREFECT_API_URL to a running "
@@ -141,8 +171,16 @@ def _home() -> str:
     return str(get_current_settings().home)
 
 
+def _release_start_lock(pending: PendingServer) -> None:
+    if pending.start_lock is not None:
+        pending.start_lock.close()
+        pending.start_lock = None
+
+
 def stop(pending: PendingServer) -> None:
-    """End a temporary server this command started (a configured one is left alone)."""
+    """End a temporary server this command started (a configured one is left alone), and let the next start
+    on its home go on."""
+    _release_start_lock(pending)
     if pending.process is not None and pending.process.poll() is None:
         pending.process.terminate()
         try:

@@ -2,7 +2,9 @@
 
 Argument parsing imports nothing heavy, so ``--help`` and ``--version`` answer at once; bad input found before
 a flow would start (a missing source, an unknown or already-deleted subject, an invalid cohort config) is
-reported in one line with exit 2 (0 for "already deleted") and starts no Prefect server.
+reported in one line with exit 2 (0 for "already deleted"), without importing Prefect. A deletion checks its
+subjects (seconds) while the command's temporary server boots: a refusal then stops that server as it exits; the
+other refusals come before any server starts.
 """
 from __future__ import annotations
 
@@ -172,7 +174,7 @@ def _preflight(args):
     elif args.cmd == "delete":
         from pipeline.evidence import load_signing_key
         from pipeline.workspace import Workspace
-        args.subject_ids = _deletable(args, Workspace(args.out))
+        args.subject_ids = _requested_ids(args)
         load_signing_key(Workspace(args.out).root)
 
 
@@ -203,7 +205,7 @@ def _deletable(args, ws) -> list[int]:
     with why, and refuses the request unless --skip-unknown; when none is left because every one was deleted
     before, AlreadyDeleted (nothing to do, exit 0)."""
     from deletion import AlreadyDeleted, check_subjects
-    status = check_subjects(ws, _requested_ids(args))
+    status = check_subjects(ws, args.subject_ids)
     left = [sid for sid, why in status.items() if why is None]
     skipped = {sid: why for sid, why in status.items() if why is not None}
     if skipped and not left and all(isinstance(why, AlreadyDeleted) for why in skipped.values()):
@@ -397,10 +399,16 @@ def _run(args):
     if args.cmd in offline:
         return offline[args.cmd](args)
     _preflight(args)
-    from flows.api_server import begin
-    server = begin()
-    # While the server boots: the flows' imports, scikit-learn's among them (memory.libsvm imports it on first
-    # use so that the checks above, before the server starts, do not wait ~1.2 s for it).
+    from flows.api_server import begin, launch_early
+    early = launch_early()
+    # While the server boots: a deletion's check of its subjects (it imports the deletion's modules and reads
+    # the workspace's memories: seconds, which the server used to wait for), Prefect's import, the flows'
+    # imports, scikit-learn's among them (memory.libsvm imports it on first use so that the checks above, before
+    # the server starts, do not wait ~1.2 s for it).
+    if args.cmd == "delete":
+        from pipeline.workspace import Workspace
+        args.subject_ids = _deletable(args, Workspace(args.out))
+    server = begin(early)
     import flows.prefect_flows  # noqa: F401
     import sklearn.svm  # noqa: F401
     from pipeline import progress

@@ -201,3 +201,36 @@ def test_a_full_disk_names_the_folder_and_its_free_space_and_a_defect_is_one_lin
     assert cli._failure(ZeroDivisionError("float division by zero"), args) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error: ZeroDivisionError" in err and "--verbose" in err
+
+
+def _servers() -> set:
+    """Prefect API servers running on this machine (their pids)."""
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if "prefect.server.api.server:create_app" in " ".join(p.info["cmdline"] or [])}
+
+
+@pytest.mark.slow
+def test_a_deletion_refused_while_its_early_server_boots_is_one_line_and_leaves_no_server(tmp_path):
+    """A deletion checks its subjects while the command's server boots (the server starts before the checks
+    when its home's database exists): an unknown subject is still one line, exit 2, without Prefect imported in
+    the command, and the server it started is gone when the command is."""
+    ws = Workspace(tmp_path / "ws")
+    generate(ws.source, GeneratorConfig(n_patients=4, seed=2))
+    extract(ws.source, ws.store, key=load_key(ws.root))
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "prefect.db").touch()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(home)
+    before = _servers()
+    code = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
+            "print('prefect imported' if 'prefect' in sys.modules else 'no prefect', file=sys.stderr); "
+            "sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, "delete", "--out", str(ws.root), "--subject-id", "987654321"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    *lines, marker = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forgetful: error:") and "987654321" in lines[0], p.stderr
+    assert marker == "no prefect"
+    assert (home / ".forgetful-server-start.lock").exists()      # the server did start early
+    assert _servers() <= before
