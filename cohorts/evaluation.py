@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
-from scipy.stats import wilcoxon
 
 from memory.kernels import rbf
 from memory.policies import POLICIES, make_policy
@@ -355,6 +354,9 @@ def _paired_row(fields: dict, d: np.ndarray, endpoints: Endpoints) -> PairedRow:
 def wilcoxon_p(d: np.ndarray) -> float:
     """Two-sided Wilcoxon signed-rank p of paired differences (exact for small n without ties, else its
     normal approximation): a p-value with no resampling floor, beside the sign-flip test."""
+    # imported here: scipy.stats takes ~1 s to import, and every module that reads this one's stream types (a
+    # decrement deletion's command among them) would wait for it without computing a statistic
+    from scipy.stats import wilcoxon
     d = np.asarray(d, dtype=np.float64)
     if len(d) == 0 or np.allclose(d, 0):
         return 1.0
