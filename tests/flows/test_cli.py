@@ -20,11 +20,11 @@ from tests.builders import meds_dataset
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args):
+def _cli(*args, env=None):
     code = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
             "print('prefect imported' if 'prefect' in sys.modules else 'no prefect', file=sys.stderr); "
             "sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -223,11 +223,7 @@ def test_a_deletion_refused_while_its_early_server_boots_is_one_line_and_leaves_
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(home)
     before = _servers()
-    code = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
-            "print('prefect imported' if 'prefect' in sys.modules else 'no prefect', file=sys.stderr); "
-            "sys.exit(rc)")
-    p = subprocess.run([sys.executable, "-c", code, "delete", "--out", str(ws.root), "--subject-id", "987654321"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = _cli("delete", "--out", str(ws.root), "--subject-id", "987654321", env=env)
     assert p.returncode == 2, p.stderr[-2000:]
     *lines, marker = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("forgetful: error:") and "987654321" in lines[0], p.stderr
