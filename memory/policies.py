@@ -75,12 +75,14 @@ class SVSelection(Policy):
         self.certified_ids = []   # tokens evicted with a certificate, in eviction order (certificate expiry)
 
     def learn_one(self, key: np.ndarray, value: np.ndarray | None, token_id: int | str) -> None:
-        if self.memory.n_tokens >= self.budget and self.memory.pass_through(key, token_id, value):
+        if self.memory.n_tokens < self.budget:
+            self.memory.add(key, value, token_id=token_id)
+            return
+        if self.memory.offer(key, value, token_id):
             # added and evicted at once: a new reserve atom with the largest slack (certified, as below)
             self.certified += 1
             self.certified_ids.append(token_id)
             return
-        self.memory.add(key, value, token_id=token_id)
         if self.memory.n_tokens <= self.budget:
             return
         victim = self.memory.reserve_with_largest_slack()

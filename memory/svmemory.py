@@ -243,15 +243,23 @@ class SVMemory:
         return Q, single
 
     # ------------------------------------------------------------------ slots and storage
-    def _new_atom(self, x: np.ndarray) -> int:
-        """A slot for key x (a free one if any), its kernel row and column filled in, in the reserve set."""
+    def _kernel_row(self, x: np.ndarray) -> np.ndarray:
+        """k(x, X[i]) for slots 0..n-1, with room for a new atom's slot made first."""
         st = self._state
         n = st.n
         if not st.atoms.free:
             self._solver.ensure_capacity(n + 1)
         d2 = np.empty(n)
         core.squared_distances_to(x, st.atoms.X, n, d2)
-        krow = np.exp(-self.gamma * d2)  # numpy's exp, not the compiled one: they differ in the last bit
+        return np.exp(-self.gamma * d2)  # numpy's exp, not the compiled one: they differ in the last bit
+
+    def _new_atom(self, x: np.ndarray, krow: np.ndarray | None = None) -> int:
+        """A slot for key x (a free one if any), its kernel row and column filled in (``krow``: the row
+        :meth:`_kernel_row` gave, when it was computed already), in the reserve set."""
+        st = self._state
+        if krow is None:
+            krow = self._kernel_row(x)
+        n = st.n
         slot = st.atoms.take_slot()
         st.atoms.open_atom(slot, x)
         buf = st.buf
@@ -278,19 +286,28 @@ class SVMemory:
         (g >= 0); otherwise its coefficient is raised by the adiabatic incremental procedure. ``value`` defaults
         to the key itself (an auto-associative memory).
         """
+        x, v, token_id = self._check_new_token(key, value, token_id)
+        return self._add(x, v, token_id, self._state.atoms.slot_of_key(x))
+
+    def _check_new_token(self, key, value, token_id) -> tuple:
         x = self._check_key(key)
         v = self._check_value(value, x, is_key=value is key)
         if token_id is None:
             token_id = self._state.atoms.new_token_id()
         elif token_id in self._state.atoms.tokens:
             raise ValueError(f"token id {token_id!r} is already stored")
+        return x, v, token_id
+
+    def _add(self, x: np.ndarray, v: np.ndarray, token_id: Hashable, slot: int | None,
+             krow: np.ndarray | None = None) -> Hashable:
+        """:meth:`add` of a checked token; ``slot``: the atom of its key, None for a new atom (whose kernel row
+        ``krow`` may be computed already)."""
         if self._state.dim is None:
             self._state.atoms.set_dim(x.size)
         if self._state.value_dim is None:
             self._state.value_dim = v.size
-        slot = self._state.atoms.slot_of_key(x)
         if slot is None:
-            slot = self._new_atom(x)
+            slot = self._new_atom(x, krow)
         self._state.atoms.record(token_id, slot, v)
         self._state.set_multiplicity(slot, self._state.atoms.mult[slot] + 1)
         try:
@@ -305,47 +322,40 @@ class SVMemory:
             raise
         return token_id
 
-    def pass_through(self, key: list | np.ndarray, token_id: Hashable, value: np.ndarray | None = None) -> bool:
-        """Offer one event to a memory kept at its budget: True when ``add`` would make it a new reserve atom that
-        is the reserve with the largest slack, i.e. the token a budgeted memory's certified eviction takes
-        straight back out. The state is then exactly what ``add`` and ``evict`` of it leave (the same buffer
-        writes, the registry's counters advanced), without their bookkeeping; most events of a long stream
-        (93 % of the demo's cohort stream) take this path. False, the state unchanged but for the free slot the
-        event would take (its kernel row, as ``add`` writes it next): the caller adds it.
+    def offer(self, key: list | np.ndarray, value: np.ndarray | None, token_id: Hashable) -> bool:
+        """Add one event to a memory kept at its budget, where the caller evicts the reserve token with the largest
+        slack next. True when the event is that token: a new reserve atom with the largest slack, which a certified
+        eviction takes straight back out. The state is then exactly what :meth:`add` and :meth:`evict` of it leave
+        (the same buffer writes, the registry's counters advanced), without their bookkeeping; most events of a
+        long stream take this path (93 % of the demo's cohort stream). False: the event was added as :meth:`add`
+        adds it (its key checked and its kernel row computed once).
 
-        Taken only where the outcome is that of those calls to the bit: a fitted memory whose rho is pinned (an
-        eviction moves no offset) and whose maintained g is exact (the largest slack is read from it)."""
+        It passes only where the outcome is that of those calls to the bit: a fitted memory whose rho is pinned
+        (an eviction moves no offset) and whose maintained g is exact (the largest slack is read from it)."""
+        x, v, token_id = self._check_new_token(key, value, token_id)
         st = self._state
-        if not st.fitted or st.g_err or not st.buf.ints[MARGIN_SIZE]:
-            return False
-        x = self._check_key(key)
-        self._check_value(value, x, is_key=value is key)
         atoms = st.atoms
-        if token_id in atoms.tokens:
-            raise ValueError(f"token id {token_id!r} is already stored")
-        if atoms.slot_of_key(x) is not None:
+        slot = atoms.slot_of_key(x)
+        if slot is not None or not st.fitted or st.g_err or not st.buf.ints[MARGIN_SIZE]:
+            self._add(x, v, token_id, slot)
             return False
+        krow = self._kernel_row(x)
         n = st.n
-        if atoms.free:
-            slot, n_after = atoms.free[-1], n
-        else:
-            self._solver.ensure_capacity(n + 1)
-            slot, n_after = n, n + 1
-        d2 = np.empty(n)
-        core.squared_distances_to(x, atoms.X, n, d2)
-        krow = np.exp(-self.gamma * d2)  # as _new_atom and admit compute them, so the same bits
+        slot, n_after = (atoms.free[-1], n) if atoms.free else (n, n + 1)
         buf = st.buf
         core.place_atom(buf.K, buf.KS32, buf.S, int(buf.ints[MARGIN_SIZE]), buf.alpha, buf.g, buf.status, slot, n, krow,
                         self._diag)
-        buf.g[slot] = core.decision_value_of(buf.K, buf.alpha, slot, n_after, st.rho, st.diag)
-        evicted = (buf.g[slot] >= -1e-2 * st.tol
-                   and core.reserve_with_largest_g(buf.status, buf.g, n_after) == slot)
+        g = core.decision_value_of(buf.K, buf.alpha, slot, n_after, st.rho, st.diag)   # as admit computes it
+        buf.g[slot] = g
+        through = g >= -1e-2 * st.tol and core.reserve_with_largest_g(buf.status, buf.g, n_after) == slot
         buf.alpha[slot] = buf.g[slot] = 0.0     # the slot as _drop_atom leaves it (its key, box, seq already are)
         buf.status[slot] = FREE
-        if evicted:
-            next(atoms.next_seq)
-            next(atoms.arrivals)
-        return bool(evicted)
+        if not through:
+            self._add(x, v, token_id, None, krow)
+            return False
+        next(atoms.next_seq)
+        next(atoms.arrivals)
+        return True
 
     def fit(self, X: list | np.ndarray, token_ids: list | None = None) -> SVMemory:
         """Replace the memory's contents by the rows of ``X`` (auto-associative: each row is its own value;

@@ -442,20 +442,24 @@ def test_the_compiled_kernel_row_and_decision_value_equal_numpys_bit_for_bit():
 
 
 def _stream_both_ways(X, budget, gamma, folder):
-    """A budgeted SV stream over X with the pass-through, and without it (add, then evict): the two policies,
-    their saved states' bytes, and how many tokens passed through."""
-    real = SVMemory.pass_through
+    """A budgeted SV stream over X with tokens passing through, and with every token added then evicted (an
+    ``offer`` that adds): the two policies, their saved states' bytes, and how many tokens passed through."""
+    real = SVMemory.offer
     passed = []
 
-    def counted(self, *args, **kwargs):
-        taken = real(self, *args, **kwargs)
-        passed.append(taken)
-        return taken
+    def counted(self, key, value, token_id):
+        through = real(self, key, value, token_id)
+        passed.append(through)
+        return through
+
+    def adds(self, key, value, token_id):
+        self.add(key, value, token_id)
+        return False
 
     policies, saved = [], []
-    for through in (counted, lambda self, *args, **kwargs: False):
+    for offer in (counted, adds):
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(SVMemory, "pass_through", through)
+            m.setattr(SVMemory, "offer", offer)
             pol = SVSelection(budget, gamma=gamma)
             for i, x in enumerate(X):
                 pol.learn_one(x, None, i)
@@ -479,9 +483,10 @@ stream_scenario = st.fixed_dictionaries({
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(stream_scenario)
 def test_a_budgeted_stream_passing_tokens_through_ends_in_the_state_add_and_evict_reach_to_the_byte(tmp_path_factory, sc):
-    """``pass_through`` (a new reserve atom with the largest slack, added and evicted at once) leaves what
-    ``add``, ``reserve_with_largest_slack`` and a certified ``evict`` leave: the same evictions in the same order
-    and the same saved state, byte for byte (keys, Gram matrix, g and the stale rows of free slots included)."""
+    """``offer`` passing a token through (a new reserve atom with the largest slack, added and evicted at once)
+    leaves what ``add``, ``reserve_with_largest_slack`` and a certified ``evict`` leave, and one that adds adds as
+    ``add`` does: the same evictions in the same order and the same saved state, byte for byte (keys, Gram matrix,
+    g and the stale rows of free slots included)."""
     X = make_keys(np.random.default_rng(sc["seed"]), sc["regime"], sc["n"], sc["d"])
     (fast, slow), (a, b), _ = _stream_both_ways(X, sc["budget"], sc["gamma"], tmp_path_factory.mktemp("pass"))
     assert fast.certified_ids == slow.certified_ids and fast.uncertified == slow.uncertified
