@@ -13,10 +13,10 @@ The server is launched with Prefect's own command for its temporary server (uvic
 ``SubprocessASGIServer.start``, because that call blocks until the server answers and its module alone takes
 ~3 s to import, which the command's process never otherwise needs.
 
-A command whose own checks take seconds (a deletion reads the workspace's memories) launches the server from the
-environment alone (:func:`launch_early`), before Prefect is imported here (~3 s) and before those checks, so the
-server boots meanwhile; :func:`begin` then holds it to Prefect's settings (a configured API or another home
-ends it and goes on as before). A command that refuses after it leaves with the server stopped, as at any exit.
+A command launches the server from the environment alone (:func:`launch_early`), before Prefect is imported here
+(~3 s), and a deletion before it checks its subjects (it reads the workspace's memories: seconds), so the server
+boots meanwhile; :func:`begin` then holds it to Prefect's settings (a configured API or another home ends it and
+goes on as before). A command that refuses after it leaves with the server stopped, as at any exit.
 """
 from __future__ import annotations
 
