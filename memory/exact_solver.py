@@ -152,13 +152,18 @@ class ExactSolver:
         st.g_err = math.inf  # g is not the new coefficients'
         self.set_margin(idx[sol.status == MARGIN])
 
+    def outside(self, g: float) -> bool:
+        """Whether a new atom with decision value ``g`` lies outside the description (its coefficient must
+        rise), rather than in the reserve set."""
+        return g < -1e-2 * self.state.tol
+
     def admit(self, slot: int) -> None:
         """Restore optimality after atom ``slot`` gained a token (a new atom or a duplicate copy)."""
         st = self.state
         buf = st.buf
         buf.g[slot] = core.decision_value_of(buf.K, buf.alpha, slot, st.n, st.rho, st.diag)
         status, mult = buf.status[slot], st.atoms.mult[slot]
-        if status == BOUND or (mult == 1 and buf.g[slot] < -1e-2 * st.tol):
+        if status == BOUND or (mult == 1 and self.outside(buf.g[slot])):
             # Below the boundary (or a bound atom whose box just grew): raise its coefficient.
             self.move_coefficient(slot, +1.0)
         elif mult == 1:

@@ -83,8 +83,6 @@ class SVSelection(Policy):
             self.certified += 1
             self.certified_ids.append(token_id)
             return
-        if self.memory.n_tokens <= self.budget:
-            return
         victim = self.memory.reserve_with_largest_slack()
         if victim is not None:
             # the policy keeps no certificate, only the count: the state digests would be hashed and dropped

@@ -347,7 +347,7 @@ class SVMemory:
                         self._diag)
         g = core.decision_value_of(buf.K, buf.alpha, slot, n_after, st.rho, st.diag)   # as admit computes it
         buf.g[slot] = g
-        through = g >= -1e-2 * st.tol and core.reserve_with_largest_g(buf.status, buf.g, n_after) == slot
+        through = not self._solver.outside(g) and core.reserve_with_largest_g(buf.status, buf.g, n_after) == slot
         buf.alpha[slot] = buf.g[slot] = 0.0     # the slot as _drop_atom leaves it (its key, box, seq already are)
         buf.status[slot] = FREE
         if not through:
