@@ -19,7 +19,10 @@ from typing import Iterator
 
 import duckdb
 
-ID_OFFSET = 100_000_000            # above every MIMIC-IV id (subject 1e7.., hadm 2e7.., stay 3e7..)
+# Above every MIMIC-IV id (subject 1e7.., hadm 2e7.., stay 3e7..), and odd: the store puts a subject in shard
+# subject_id % count (a power of two), so an offset divisible by it would put every copy of a patient in one shard,
+# where MIMIC-IV's ids spread over them all.
+ID_OFFSET = 100_000_007
 ID_COLUMNS = ("subject_id", "hadm_id", "stay_id")
 PERTURBED = {"chartevents": "valuenum", "labevents": "valuenum"}
 MIMIC_IV_ICU_STAYS = 94_458        # MIMIC-IV v3.1 icustays (mimic-code's validate.sql): the reference
@@ -99,7 +102,7 @@ def make_source(demo: Path, out: Path, clones: int, folders: bool = False) -> Pa
     ``folders``: each table with patient ids a folder holding one file (:func:`_as_folders`), so that
     :func:`add_new_rows` can deliver a night's rows as a new file."""
     demo, out = Path(demo), Path(out)
-    marker = out / ".clones"
+    marker = out / f".clones-{ID_OFFSET}"        # a source cloned with another offset is made again
     done = marker.read_text().split() if marker.exists() else []
     if done == [str(clones)] and folders:
         _as_folders(out)            # the same clones as whole files: moved, not written again

@@ -1,7 +1,7 @@
 """The cohort's stays in chunks over the store's shards: what a run reads at a time, never the whole store.
 
 A chunk is a run of whole subjects of one shard (``data/K.parquet`` holds the subjects with
-``subject_id % N_BUCKETS == K``, sorted by subject), at most ``max_stays`` stays, so a chunk's events are one
+``subject_id % count == K``, :mod:`pipeline.sharding`, sorted by subject), at most ``max_stays`` stays, so a chunk's events are one
 shard's row groups between two subject ids: memory grows with the largest chunk, not with the cohort.
 Each stay gets a **content digest** of the rows a run reads for it (its own events and the hospital-level
 events inside its window, by event hash and occurrence, and its row of the stay table); with the cohort
@@ -17,8 +17,8 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.extract import scan_events_in
-from pipeline.extract_rules import N_BUCKETS
-from pipeline.meds import shard_of
+from pipeline.meds import shard_path
+from pipeline.sharding import Sharding
 
 DEFAULT_CHUNK_STAYS = 256
 EVENT_COLUMNS = ["stay_id", "subject_id", "time", "code", "numeric_value", "unit", "source_table", "event_hash",
@@ -40,15 +40,11 @@ class StayChunk:
         return self.stays.height
 
 
-def shard_index(subject: pl.Expr) -> pl.Expr:
-    return (subject % N_BUCKETS).cast(pl.Int64)
-
-
-def plan_chunks(cohort: pl.DataFrame, max_stays: int = DEFAULT_CHUNK_STAYS) -> list[StayChunk]:
+def plan_chunks(cohort: pl.DataFrame, sharding: Sharding, max_stays: int = DEFAULT_CHUNK_STAYS) -> list[StayChunk]:
     """The cohort split into chunks of whole subjects, shard by shard, at most ``max_stays`` stays each (a
     subject with more stays than that is one chunk)."""
     chunks = []
-    frame = cohort.with_columns(shard_index(pl.col("subject_id")).alias("_shard")).sort("_shard", "subject_id",
+    frame = cohort.with_columns(sharding.expr(pl.col("subject_id")).alias("_shard")).sort("_shard", "subject_id",
                                                                                           "stay_id")
     for (k,), part in frame.group_by(["_shard"], maintain_order=True):
         part = part.drop("_shard")
@@ -81,7 +77,7 @@ def chunk_scan(store: Path, chunk: StayChunk) -> pl.LazyFrame:
     """The chunk's subjects' rows: only its shard, between its first and last subject (row groups outside that
     range are skipped by their statistics)."""
     subjects = chunk.subjects
-    return scan_events_in(shard_of(store, int(subjects[0]))).filter(
+    return scan_events_in(shard_path(store, chunk.shard)).filter(
         pl.col("subject_id").is_between(int(subjects[0]), int(subjects[-1])) &
         pl.col("subject_id").is_in(subjects.implode()))
 

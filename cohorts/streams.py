@@ -9,8 +9,9 @@ import polars as pl
 from memory.cohort import token_id
 from pipeline.extract import scan_events_in
 from pipeline.keys import EventKeyer
-from pipeline.meds import shard_of
+from pipeline.meds import shard_path
 from pipeline.privacy import stay_ref, subject_ref
+from pipeline.sharding import Sharding
 
 from .characteristics import death_stays, describe_cohort
 from .definitions import build_cohort, deterioration_hours, label_events, stay_events
@@ -136,9 +137,11 @@ def cohort_token_stream(store: Path, cfg: CohortConfig, key: bytes, scaling: Tok
     if scaling is None and subject_ids is not None:
         raise ValueError("some subjects' stream needs the persisted token statistics")
     # a subject's rows lie in their shard: only the subjects' shards are read
+    if subject_ids is not None:
+        sharding = Sharding.of_store(store)
+        shards = sorted(p for p in {shard_path(store, sharding.shard(s)) for s in subject_ids} if p.exists())
     events = None if subject_ids is None else \
-        scan_events_in(sorted({shard_of(store, s) for s in subject_ids if shard_of(store, s).exists()})) \
-        .filter(pl.col("subject_id").is_in(_ids(subject_ids)))
+        scan_events_in(shards).filter(pl.col("subject_id").is_in(_ids(subject_ids)))
     table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_ids), events=events)
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")

@@ -12,7 +12,8 @@ from typing import Iterator
 import polars as pl
 
 from memory.cohort import CohortMemory
-from pipeline.meds import shard_files
+from pipeline.meds import shard_path
+from pipeline.sharding import Sharding
 from pipeline.workspace import Workspace
 
 # report.json numbers that describe the run, not the cohort: when and how long, how many stays this run
@@ -20,7 +21,7 @@ from pipeline.workspace import Workspace
 RUN_BOOKKEEPING = frozenset({"generated_at", "seconds", "store_generation", "computed_stays", "ingest",
                              "provenance", "stale", "recomputed_by", "data_source", "code_version", "checkpoint"})
 RESULT_KEY = ["stay_ref", "subject_ref", "protocol", "tokens", "keys", "label", "budget", "policy", "metric"]
-STORE_TABLES = ("stays.parquet", "metadata/codes.parquet", "metadata/subject_splits.parquet")
+STORE_TABLES = ("stays.parquet", "metadata/codes.parquet", "code_tables.parquet", "metadata/subject_splits.parquet")
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,14 @@ def _out_of_place(a: list, b: list) -> int:
     return sum(x != y for x, y in zip(a, b))
 
 
-def _table(name: str, a: Path, b: Path, drop: tuple = (), ordered: bool = True) -> ArtifactDifference:
-    """Rows one file holds more often than the other; with the same rows, ``ordered`` counts the rows out of
-    place (a file's row order is part of what its writer makes)."""
-    fa, fb = (pl.read_parquet(p).drop(drop, strict=False) if p.exists() else pl.DataFrame() for p in (a, b))
+def _table(name: str, a: Path | list[Path], b: Path | list[Path], drop: tuple = (),
+           ordered: bool = True) -> ArtifactDifference:
+    """Rows one file (or list of files) holds more often than the other; with the same rows, ``ordered`` counts
+    the rows out of place (a file's row order is part of what its writer makes)."""
+    def read(p):
+        files = [f for f in ([p] if isinstance(p, Path) else p) if f.exists()]
+        return pl.read_parquet(files).drop(drop, strict=False) if files else pl.DataFrame()
+    fa, fb = read(a), read(b)
     differing, out_of_order = _rows_differing(fa, fb), 0
     if ordered and differing == 0 and not fa.equals(fb):
         out_of_order = _out_of_place(fa.hash_rows().to_list(), fb.hash_rows().to_list())
@@ -86,12 +91,19 @@ def _summed(name: str, parts: list[ArtifactDifference]) -> ArtifactDifference:
 
 
 def event_store(a: Workspace, b: Workspace) -> ArtifactDifference:
-    """Event rows, shard by shard (a subject's shard is the same in both; one shard in memory at a time)."""
-    names = sorted({p.name for ws in (a, b) for p in shard_files(ws.store)}, key=lambda n: int(Path(n).stem))
+    """Event rows, shard by shard of the store with fewer shards (one in memory at a time): the stores' shard
+    counts are powers of two, so its shard k holds the subjects of the other's shards j with j % count == k (two
+    sources of different sizes may have made stores of different counts)."""
+    sharding = {ws: Sharding.of_store(ws.store) for ws in (a, b)}
+    coarse = min(s.count for s in sharding.values())
+
+    def group(ws: Workspace, k: int) -> list[Path]:
+        return [shard_path(ws.store, j) for j in range(k, sharding[ws].count, coarse)]
     # the row's hash and occurrence number are the store's bookkeeping, not the event; a shard's rows are in the
     # order its subjects' rows arrived, not part of the event either
-    return _summed("event store rows", [_table(name, a.store / "data" / name, b.store / "data" / name,
-                                               drop=("event_hash", "occurrence"), ordered=False) for name in names])
+    return _summed("event store rows", [_table(f"shard {k}", group(a, k), group(b, k),
+                                               drop=("event_hash", "occurrence"), ordered=False)
+                                        for k in range(coarse)])
 
 
 def label_files(a: Workspace, b: Workspace) -> ArtifactDifference:

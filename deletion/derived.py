@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cohorts.definitions import workspace_config_path
-from pipeline.extract_rules import N_BUCKETS
+from pipeline.sharding import Sharding
 from pipeline.workspace import Workspace
 from reports.html import render_report
 from run.evaluate import PreparedRun, process_pool_map, rerun, rerun_params
@@ -44,7 +44,8 @@ def reruns(ws: Workspace) -> bool:
 
 def _touched_cache(ws: Workspace, subjects: list[int]) -> list[Path]:
     """The per-stay cache entries of the subjects' shards (folders of parts, index files)."""
-    touched = {str(int(s) % N_BUCKETS) for s in subjects}
+    sharding = Sharding.of_store(ws.store)
+    touched = {str(sharding.shard(s)) for s in subjects}
     kinds = sorted(d for d in ws.cache.iterdir() if d.is_dir()) if ws.cache.exists() else []
     return [e for kind in kinds for e in sorted(kind.iterdir())
             if (e.name if e.is_dir() else e.stem) in touched and not e.name.endswith(".tmp")]

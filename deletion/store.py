@@ -13,13 +13,14 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from pipeline.extract import scratch_paths
-from pipeline.extract_rules import N_BUCKETS, sql_literal
-from pipeline.meds import (code_counts_sql, codes_metadata_path, quarantine_files, read_codes_metadata, shard_files,
-                           shard_of, stays_path, subject_splits_path, write_codes_metadata, write_label_file,
-                           write_shard, write_subject_splits)
+from pipeline.extract_rules import sql_literal
+from pipeline.meds import (code_tables_path, codes_metadata_path, codes_of, quarantine_files, read_codes_metadata,
+                           shard_of, stays_path, subject_splits_path, write_code_tables, write_codes_metadata,
+                           write_label_file, write_shard, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
+from pipeline.sharding import Sharding
 
-from .plan import owner
+from .plan import DeletionFailed, owner
 
 if TYPE_CHECKING:
     from pipeline.transaction import Transaction
@@ -46,11 +47,13 @@ def _write_without(shard: Path, gone: str, staged: Path) -> None:
         con.close()
 
 
-def _events(ws, txn, sids) -> dict[int, dict]:
+def _events(ws, txn, sids) -> tuple[dict[int, dict], pl.DataFrame]:
     """Each subject's shard rewritten without the deleted subjects (a shard is already sorted, so the kept rows
-    stay a valid MEDS shard); per subject, the events removed per table. The shards are written side by side: a
-    batch's subjects touch most of them, and one shard's write is mostly a single thread's parquet encoding."""
+    stay a valid MEDS shard); per subject, the events removed per table, and the events removed per code and
+    table (all subjects together). The shards are written side by side: a batch's subjects may touch many of
+    them, and one shard's write is mostly a single thread's parquet encoding."""
     removed = {sid: {} for sid in sids}
+    per_code = []
     gone = ", ".join(str(int(sid)) for sid in sids)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         writes = []
@@ -58,17 +61,19 @@ def _events(ws, txn, sids) -> dict[int, dict]:
             if not shard.exists():
                 continue
             # an IN list of literals lets DuckDB skip the row groups (sorted by subject) that hold none of them
-            found = duckdb.sql(f"SELECT subject_id, source_table, count(*) FROM read_parquet({sql_literal(shard)}) "
-                               f"WHERE subject_id IN ({gone}) GROUP BY ALL").fetchall()
-            for sid, table, n in found:
-                removed[int(sid)][table] = int(n)
+            found = duckdb.sql(f"SELECT subject_id, code, source_table, count(*) FROM read_parquet("
+                               f"{sql_literal(shard)}) WHERE subject_id IN ({gone}) GROUP BY ALL").fetchall()
+            for sid, code, table, n in found:
+                removed[int(sid)][table] = removed[int(sid)].get(table, 0) + int(n)
+                per_code.append((code, table, int(n)))
             if pq.ParquetFile(shard).metadata.num_rows > sum(n for *_, n in found):
                 writes.append(pool.submit(_write_without, shard, gone, txn.stage(shard)))
             else:
                 txn.delete(shard)
         for w in writes:
             w.result()
-    return removed
+    return removed, pl.DataFrame(per_code, schema={"code": pl.String, "source_table": pl.String, "count": pl.Int64},
+                                 orient="row")
 
 
 def _without(frame: pl.DataFrame, sids: list[int], column: str = "subject_id") -> pl.DataFrame:
@@ -86,18 +91,26 @@ def _quarantine(ws, txn, sids) -> dict[int, int]:
     return removed
 
 
-def _codes(ws, txn) -> None:
-    """Recount the codes metadata over the store as it will be (descriptions and parent codes kept; a code
-    only deleted subjects had leaves it); DuckDB aggregates the shards without holding them."""
-    staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
-    deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
-    files = [staged.get(str(f), f) for f in shard_files(ws.store) if str(f) not in deleted]
+def _codes(ws, txn, removed: pl.DataFrame) -> None:
+    """The code counts without the removed events (``removed``: code, source_table, count), by subtraction from
+    the counts per code and table; the codes metadata summed from them (descriptions and parent codes kept; a code
+    only deleted subjects had leaves it)."""
     old = read_codes_metadata(ws.store)
-    if not files or old is None:
+    if old is None:
         return
-    sources = ", ".join(map(sql_literal, files))
-    new = pl.from_arrow(duckdb.sql(code_counts_sql(f"read_parquet([{sources}])")).arrow())
-    new = new.join(old.select("code", "description", "parent_codes"), on="code", how="left")
+    per_table_path = code_tables_path(ws.store)
+    recount = "run `forgetful extract` on the source again, which counts them from the events when the file is gone"
+    if not per_table_path.exists():
+        raise DeletionFailed(f"{per_table_path}: missing, so the code counts cannot lose the patients' events; "
+                             f"{recount}")
+    gone = removed.group_by("code", "source_table").agg(pl.col("count").sum().alias("removed"))
+    per_table = (pl.read_parquet(per_table_path).join(gone, on=["code", "source_table"], how="left")
+                 .with_columns(pl.col("count") - pl.col("removed").fill_null(0)).drop("removed"))
+    if gone.join(per_table, on=["code", "source_table"], how="anti").height or (per_table["count"] < 0).any():
+        raise DeletionFailed(f"{per_table_path}: counts fewer events of a code than the store holds; delete it and "
+                             f"{recount}")
+    write_code_tables(txn.stage(per_table_path), per_table)
+    new = codes_of(per_table).join(old.select("code", "description", "parent_codes"), on="code", how="left")
     write_codes_metadata(txn.stage(codes_metadata_path(ws.store)), new)
 
 
@@ -147,13 +160,14 @@ def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> 
     id -> keyed hash); their hashes on the suppression list; the store's generation bumped once (no cache over
     the old content is reused). Per subject, what was removed."""
     sids = sorted(subjects)
-    events, quarantine, source = _events(ws, txn, sids), _quarantine(ws, txn, sids), _source(ws, txn, sids)
+    (events, removed_codes), quarantine, source = _events(ws, txn, sids), _quarantine(ws, txn, sids), \
+        _source(ws, txn, sids)
     for scratch in scratch_paths(ws.store):     # an interrupted extraction's rows of any patient
         txn.delete(scratch)
     stays = pl.read_parquet(stays_path(ws.store))
     in_stays = _per_subject(stays, sids)
     write_staged_parquet(txn, _without(stays, sids), stays_path(ws.store))
-    _codes(ws, txn)
+    _codes(ws, txn, removed_codes)
     splits = subject_splits_path(ws.store)
     if splits.exists():
         write_subject_splits(txn.stage(splits), _without(pl.read_parquet(splits), sids))
@@ -183,8 +197,9 @@ def remove_stay_artifacts(ws: Workspace, txn: Transaction, stay_files: dict[int,
     # The per-stay caches are keyed by content, not by patient: each subject's whole shard of them goes (the
     # next run recomputes that shard's stays), so nothing computed from their rows survives in the cache.
     dropped = dict.fromkeys(sids, [])
+    sharding = Sharding.of_store(ws.store)
     for sid in sids if drop_cache else []:
-        shard = int(sid) % N_BUCKETS
+        shard = sharding.shard(sid)
         dropped[sid] = [d for d in sorted(ws.cache.glob(f"*/{shard}")) + sorted(ws.cache.glob(f"*/{shard}.json"))
                         if d.exists()]
     for d in sorted({d for ds in dropped.values() for d in ds}):

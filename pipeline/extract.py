@@ -41,14 +41,16 @@ import pyarrow.parquet as pq
 
 from . import progress
 from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PER_ROW, REQUIRED_TABLES, TABLES,
-                            bigint, bucket_of, csv_reader, dictionary_selects, event_selects, header_names,
+                            bigint, csv_reader, dictionary_selects, event_selects, header_names,
                             quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
-                   code_counts_sql, codes_metadata_path, events_glob, is_meds_dataset, meds_shards, quarantine_dir,
-                   quarantine_files, read_codes_metadata, shard_files, shard_of, stage_meds, stays_path,
-                   write_codes_metadata, write_dataset_metadata, write_shard)
+                   code_table_counts_sql, code_tables_path, codes_metadata_path, codes_of, events_glob,
+                   is_meds_dataset, meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files,
+                   shard_of, shard_path, stage_meds, stays_path, write_code_tables, write_codes_metadata,
+                   write_dataset_metadata, write_shard)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
+from .sharding import Sharding, is_recorded
 
 
 class ExtractionError(ValueError):
@@ -295,12 +297,12 @@ STAGED_COLUMNS = ("subject_id", "raw_time", "time", "code", "numeric_value", "te
                   "stay_id", "raw_numeric", "source_table")
 
 
-def _stage_rows(con, select: str, staging: Path, params: list | None = None) -> int:
+def _stage_rows(con, select: str, staging: Path, sharding: Sharding, params: list | None = None) -> int:
     """Write ``select``'s rows (the staged columns) once into ``staging``, partitioned by the subject's shard
     (``bucket=K/``, ``bucket=NULL/`` for rows without a subject); the rows written. Every later step reads one
     shard's rows at a time, so no step holds or scans the whole of a changed table."""
     staging.mkdir(parents=True, exist_ok=True)
-    n = con.execute(f"""COPY (SELECT *, {bucket_of('subject_id')} AS bucket FROM ({select}))
+    n = con.execute(f"""COPY (SELECT *, {sharding.sql('subject_id')} AS bucket FROM ({select}))
                         TO {sql_literal(staging)} (FORMAT parquet, PARTITION_BY (bucket), APPEND,
                                                    FILENAME_PATTERN 'rows_{{uuid}}')""", params or []).fetchall()
     return int(n[0][0]) if n else 0
@@ -309,12 +311,12 @@ def _stage_rows(con, select: str, staging: Path, params: list | None = None) -> 
 STAGING_WORKERS = 4      # source files staged at once: each gzip stream is read by one thread
 
 
-def _stage_file(con, table: str, info: dict, paths: dict, staging: Path) -> None:
+def _stage_file(con, table: str, info: dict, paths: dict, staging: Path, sharding: Sharding) -> None:
     """One changed source file's events into ``staging`` (its rows counted into ``info``), on its own cursor."""
     cur = con.cursor()
     try:
         cur.execute(f"CREATE OR REPLACE TEMP VIEW t AS {table_view(table, info['path'], paths)}")
-        staged = sum(_stage_rows(cur, f"SELECT *, ? AS source_table FROM ({q})", staging, [table])
+        staged = sum(_stage_rows(cur, f"SELECT *, ? AS source_table FROM ({q})", staging, sharding, [table])
                      for q in event_selects(table))
         # a table of one event per row was counted by staging it; any other is read once more to count
         info["rows"] = staged if table in ONE_EVENT_PER_ROW else cur.execute("SELECT count(*) FROM t").fetchall()[0][0]
@@ -324,7 +326,7 @@ def _stage_file(con, table: str, info: dict, paths: dict, staging: Path) -> None
         cur.close()
 
 
-def _stage(con, paths, changed, staging: Path) -> None:
+def _stage(con, paths, changed, staging: Path, sharding: Sharding) -> None:
     """Temp table ``stays`` (validated); every event of the changed tables, typed, into ``staging`` by shard.
     Files are read side by side, largest first: decompressing one gzip stream is one thread's work, so one file
     at a time left the other cores idle."""
@@ -336,7 +338,7 @@ def _stage(con, paths, changed, staging: Path) -> None:
     with progress.step("reading changed source files", total=len(changed), unit="files") as advance, \
             ThreadPoolExecutor(max_workers=workers) as pool:
         # each file into its own folder: writers of one partitioned folder would race on its files
-        futures = [pool.submit(_stage_file, con, key.split("/")[0], info, paths, staging / f"file-{i}")
+        futures = [pool.submit(_stage_file, con, key.split("/")[0], info, paths, staging / f"file-{i}", sharding)
                    for i, (key, info) in enumerate(order)]
         try:
             for f in as_completed(futures):
@@ -384,7 +386,7 @@ def _suppress(con, suppressed, table: str) -> int:
     return int(n)
 
 
-def _judge(con, out, bucket: int | None) -> None:
+def _judge(con, out, bucket: int | None, sharding: Sharding) -> None:
     """Temp table ``numbered``: every staged event of one shard (``bucket``; None: rows without a subject) with
     its quarantine reason, content hash, occurrence and whether it is new (not already in the store's shard or
     the quarantine). Identical rows share their subject, so numbering them within the shard is numbering them
@@ -404,10 +406,10 @@ def _judge(con, out, bucket: int | None) -> None:
         con.execute("""UPDATE judged SET reason = u.reason FROM unusable_stays u
                        WHERE judged.source_table = 'meds' AND judged.subject_id = u.subject_id
                          AND judged.time = u.intime AND judged.code = u.code AND judged.reason IS NULL""")
-    mine = "subject_id IS NULL" if bucket is None else f"{bucket_of('subject_id')} = {bucket}"
+    mine = "subject_id IS NULL" if bucket is None else f"{sharding.sql('subject_id')} = {bucket}"
     seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(q)}) WHERE {mine}"
             for q in quarantine_files(out)]
-    shard = shard_of(out, bucket) if bucket is not None else None
+    shard = shard_path(out, bucket) if bucket is not None else None
     if shard is not None and shard.exists():
         seen.append(f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(shard)})")
     is_new = (f"NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
@@ -422,7 +424,7 @@ def _write_new(con, out, bucket: int | None) -> int:
     in time order) and its new rejected rows into the temp table ``rejected``; the new events written."""
     n_new = con.execute("SELECT count(*) FROM numbered WHERE is_new AND reason IS NULL").fetchall()[0][0]
     if n_new:
-        shard = shard_of(out, bucket)
+        shard = shard_path(out, bucket)
         cols = ", ".join(EVENT_COLUMNS)
         old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
         write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM numbered WHERE is_new AND reason IS NULL) "
@@ -435,7 +437,7 @@ def _write_new(con, out, bucket: int | None) -> int:
     return int(n_new)
 
 
-def _check_and_write(con, out, run_id, staging: Path, suppressed) -> tuple[int, int]:
+def _check_and_write(con, out, run_id, staging: Path, suppressed, sharding: Sharding) -> tuple[int, int]:
     """Shard by shard: the staged rows checked against the rules and the store, new events written into the
     shard and rejected rows kept for the quarantine (written last, one file for the run); per table and reason
     the rows seen and new into temp table ``tally``. Returns (new events, rows of deleted patients dropped)."""
@@ -452,7 +454,7 @@ def _check_and_write(con, out, run_id, staging: Path, suppressed) -> tuple[int, 
             con.execute(f"CREATE TEMP TABLE staged AS SELECT {', '.join(STAGED_COLUMNS)} "
                         f"FROM read_parquet([{files}], hive_partitioning=false)")
             dropped += _suppress(con, suppressed, "staged")
-            _judge(con, out, bucket)
+            _judge(con, out, bucket, sharding)
             new += _write_new(con, out, bucket)
             con.execute("DROP TABLE staged")
             con.execute("DROP TABLE numbered")
@@ -490,6 +492,16 @@ def _write_stays(con, out) -> None:
     con.execute(f"COPY (SELECT {', '.join(STAY_COLUMNS)} FROM stays ORDER BY subject_id, intime) "
                 f"TO {sql_literal(f'{stays_path(out)}.tmp')} (FORMAT parquet)")
     os.replace(f"{stays_path(out)}.tmp", stays_path(out))
+
+
+def _sharding(out: Path, changed: dict) -> Sharding:
+    """The store's shard count; a store with no shard yet gets one from the size of the source files it is
+    made from (``changed``: every one of them, for a new store), recorded for every later run."""
+    if is_recorded(out) or shard_files(out):
+        return Sharding.of_store(out)
+    sharding = Sharding.for_source(sum(int(info["size"]) for info in changed.values()))
+    sharding.record(out)
+    return sharding
 
 
 def _open_store(out, key):
@@ -539,19 +551,20 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
                                       "pattern (meds_source.admission in the cohort config)")
             if events is not None:
                 with progress.step("reading changed source files"):
-                    _stage_rows(con, events, staging / "file-0")
+                    _stage_rows(con, events, staging / "file-0", _sharding(out, changed))
             groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
         else:
             files = {k: f for t in EVENT_TABLES if t in paths for k, f in table_files(t, paths[t]).items()}
             changed = _changed_files(files, manifest, summary)
-            _stage(con, paths, changed, staging)
+            _stage(con, paths, changed, staging, _sharding(out, changed))
             groups = {}
             for name, info in changed.items():
                 table = name.split("/")[0]
                 groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
         with progress.phase("dropping deleted patients' stays"):
             _suppress(con, suppressed, "stays")
-        summary.new_events, summary.suppressed_rows = _check_and_write(con, out, run_id, staging, suppressed)
+        summary.new_events, summary.suppressed_rows = _check_and_write(con, out, run_id, staging, suppressed,
+                                                                                Sharding.of_store(out))
         with progress.phase("counting rows per table and rule"):
             _summarise(con, changed, summary, manifest, groups)
         if changed or summary.new_events or not _metadata_current(out):
@@ -598,20 +611,25 @@ def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:
 
 
 def _metadata_current(out: Path) -> bool:
-    """Whether the store's codes metadata was written after its last shard was (a deletion rewrites both)."""
-    meta = codes_metadata_path(out)
-    return meta.exists() and all(f.stat().st_mtime_ns <= meta.stat().st_mtime_ns for f in shard_files(out))
+    """Whether the store's code counts were written after its last shard was (a deletion rewrites them all)."""
+    meta = [codes_metadata_path(out), code_tables_path(out)]
+    return all(m.exists() for m in meta) and all(f.stat().st_mtime_ns <= m.stat().st_mtime_ns
+                                                  for f in shard_files(out) for m in meta)
 
 
 def _write_metadata(con, out: Path, source: Path, paths: dict) -> None:
-    """``metadata/codes.parquet`` (every code in the store with its count, source table, description and parent
-    codes where known) and ``metadata/dataset.json``.
+    """``code_tables.parquet`` (every code in the store with its count per source table), ``metadata/codes.parquet``
+    (every code with its count, source table, description and parent codes where known) and
+    ``metadata/dataset.json``.
 
     Counts come from DuckDB and descriptions are joined in Polars, handed over as Arrow without copying.
     """
     if not shard_files(out):
         return
-    counts = pl.from_arrow(con.sql(code_counts_sql(f"read_parquet({sql_literal(events_glob(out))})")).arrow())
+    per_table = pl.from_arrow(con.sql(code_table_counts_sql(f"read_parquet({sql_literal(events_glob(out))})"))
+                              .arrow())
+    write_code_tables(code_tables_path(out), per_table)
+    counts = codes_of(per_table)
     known = _descriptions(con, source, paths)
     codes = (counts.join(known, on="code", how="left") if known is not None else
              counts.with_columns(pl.lit(None, dtype=pl.String).alias("description"),

@@ -11,8 +11,6 @@ import meds
 if TYPE_CHECKING:
     from pathlib import Path
 
-N_BUCKETS = 16
-
 # table -> (folder, required columns)
 TABLES = {
     "patients": ("hosp", ["subject_id", "gender", "anchor_age", "anchor_year", "dod"]),
@@ -271,12 +269,6 @@ def dictionary_selects(paths: dict) -> dict:
 
 def _has(paths: dict, table: str, column: str) -> bool:
     return column in (header_names(paths[table]) or [])
-
-
-def bucket_of(subject: str) -> str:
-    """The SQL of a subject id's shard number, as :func:`pipeline.meds.shard_of` computes it (Python's modulo:
-    never negative)."""
-    return f"((({subject}) % {N_BUCKETS}) + {N_BUCKETS}) % {N_BUCKETS}"
 
 
 def quarantine_reason() -> str:

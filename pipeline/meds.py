@@ -3,11 +3,15 @@ as a source.
 
 Store layout (``store/``), a valid MEDS dataset::
 
-    data/<K>.parquet               the events of subjects with subject_id % N_BUCKETS == K, sorted by subject,
-                                   time, code: each subject lies in one shard, contiguous and in time order (as
-                                   MEDS requires); an incremental run or a deletion rewrites a shard whole
+    data/<K>.parquet               the events of subjects with subject_id % count == K (the store's shard
+                                   count, :mod:`pipeline.sharding`), sorted by subject, time, code: each subject
+                                   lies in one shard, contiguous and in time order (as MEDS requires); an
+                                   incremental run or a deletion rewrites a shard whole
     metadata/dataset.json          dataset_name, dataset_version, etl_name, etl_version, meds_version, created_at
     metadata/codes.parquet         code, description, parent_codes; and the store's count, source_table
+    code_tables.parquet            code, source_table, count: the counts per table that codes.parquet sums (so
+                                   a deletion updates them by subtraction; not part of MEDS)
+    sharding.json                  the shard count (not part of MEDS)
     metadata/subject_splits.parquet  the cohort's subject-level split (train / held_out), written by a run
 
 Event columns: MEDS's subject_id (int64), time (timestamp[us]), code, numeric_value (float32) and text_value
@@ -29,7 +33,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .extract_rules import N_BUCKETS, sql_literal
+from .extract_rules import sql_literal
+from .sharding import Sharding
 
 DATA = "data"
 METADATA = "metadata"
@@ -52,7 +57,12 @@ class MedsSourceError(ValueError):
 
 def shard_of(store: Path, subject_id: int) -> Path:
     """The shard that holds (or would hold) a subject's events."""
-    return Path(store) / DATA / f"{int(subject_id) % N_BUCKETS}.parquet"
+    return shard_path(store, Sharding.of_store(store).shard(subject_id))
+
+
+def shard_path(store: Path, shard: int) -> Path:
+    """The file of shard number ``shard``."""
+    return Path(store) / DATA / f"{int(shard)}.parquet"
 
 
 def shard_files(store: Path) -> list[Path]:
@@ -110,11 +120,29 @@ def codes_metadata_path(store: Path) -> Path:
     return Path(store) / meds.code_metadata_filepath
 
 
-def code_counts_sql(shards: str) -> str:
-    """Per code its count over ``shards`` (a DuckDB relation) and one source table: the first by name, so that
-    a code several tables write (``MEDS_DEATH``: patients and admissions) names the same table whatever order
-    the shards are read in."""
-    return f"SELECT code, min(source_table) AS source_table, count(*) AS count FROM {shards} GROUP BY code"
+def code_tables_path(store: Path) -> Path:
+    """Per code and source table its count of events (what the codes metadata's counts sum)."""
+    return Path(store) / "code_tables.parquet"
+
+
+def code_table_counts_sql(shards: str) -> str:
+    """Per code and source table its count over ``shards`` (a DuckDB relation)."""
+    return f"SELECT code, source_table, count(*) AS count FROM {shards} GROUP BY code, source_table"
+
+
+def write_code_tables(path: Path, per_table: pl.DataFrame) -> None:
+    """``per_table`` (code, source_table, count; codes with no event left dropped) to ``path``
+    (:func:`code_tables_path`, or a deletion's staged copy of it)."""
+    table = (per_table.filter(pl.col("count") > 0).select("code", "source_table", pl.col("count").cast(pl.Int64))
+             .sort("code", "source_table").to_arrow())
+    _atomic_table(table, Path(path))
+
+
+def codes_of(per_table: pl.DataFrame) -> pl.DataFrame:
+    """Per code its count and one source table: the first by name, so that a code several tables write
+    (``MEDS_DEATH``: patients and admissions) names the same table whatever order the shards were read in."""
+    return (per_table.filter(pl.col("count") > 0).group_by("code")
+            .agg(pl.col("source_table").min(), pl.col("count").sum().cast(pl.Int64)))
 
 
 def write_codes_metadata(path: Path, codes: pl.DataFrame) -> None:
@@ -137,10 +165,13 @@ def write_subject_splits(path: Path, splits: pl.DataFrame) -> None:
     _atomic_table(table, Path(path))
 
 
+# a label file's row order (a subject's labels in time order; the value last, so that ties are identical rows)
+LABEL_ORDER = ("subject_id", "prediction_time", "boolean_value")
+
+
 def write_label_file(labels: pl.DataFrame, path: Path) -> None:
     """A MEDS label file (``meds.LabelSchema``: subject_id, prediction_time, boolean_value) at ``path``."""
-    table = meds.LabelSchema.align(labels.select("subject_id", "prediction_time", "boolean_value")
-                                   .sort("subject_id", "prediction_time").to_arrow())
+    table = meds.LabelSchema.align(labels.select(LABEL_ORDER).sort(LABEL_ORDER).to_arrow())
     meds.LabelSchema.validate(table)
     _atomic_table(table, Path(path))
 
@@ -153,8 +184,7 @@ class LabelFiles:
         self._writers = {}
 
     def write(self, name: str, labels: pl.DataFrame) -> None:
-        table = meds.LabelSchema.align(labels.select("subject_id", "prediction_time", "boolean_value")
-                                       .sort("subject_id", "prediction_time").to_arrow())
+        table = meds.LabelSchema.align(labels.select(LABEL_ORDER).to_arrow())     # sorted at close
         meds.LabelSchema.validate(table)
         if name not in self._writers:
             tmp = Path(str(self.paths[name]) + ".tmp")
@@ -163,13 +193,27 @@ class LabelFiles:
         self._writers[name].write_table(table)
 
     def close(self) -> list[Path]:
+        """Each file made: its parts (written shard by shard) merged in :data:`LABEL_ORDER` by DuckDB's sort, which
+        spills rather than holding the file, so that its rows' order does not depend on the store's shard count."""
         for name, path in self.paths.items():
             if name not in self._writers:       # no token at all: an empty, valid label file
                 write_label_file(pl.DataFrame(schema={"subject_id": pl.Int64, "prediction_time": pl.Datetime("us"),
                                                       "boolean_value": pl.Boolean}), path)
                 continue
             self._writers.pop(name).close()
-            os.replace(Path(str(path) + ".tmp"), path)
+            parts, merged = Path(str(path) + ".tmp"), Path(str(path) + ".sorted.tmp")
+            con = duckdb.connect()
+            try:
+                reader = con.sql(f"SELECT * FROM read_parquet({sql_literal(parts)}) ORDER BY {', '.join(LABEL_ORDER)}"
+                                 ).to_arrow_reader(100_000)
+                schema = pq.read_schema(parts)                  # MEDS's, as the parts were written
+                with pq.ParquetWriter(merged, schema) as writer:
+                    for batch in reader:
+                        writer.write_batch(batch.cast(schema))
+            finally:
+                con.close()
+            os.replace(merged, path)
+            parts.unlink()
         return list(self.paths.values())
 
 

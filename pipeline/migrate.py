@@ -8,8 +8,11 @@ recognised by its layout):
 2. the store as a MEDS dataset (``store/data/K.parquet``, ``store/metadata/``) and the signed transparency log;
    text values could be ``""``, death was coded ``DEATH``, and derived files named stays by their raw id;
 3. null for an empty text value, ``MEDS_DEATH`` / ``MEDS_DEATH//DOD``, no raw id outside the store;
-4. this release: every death ``MEDS_DEATH`` (a date of death alone says so in its text value), so that MEDS tools
-   matching ``MEDS_DEATH`` find every death.
+4. every death ``MEDS_DEATH`` (a date of death alone says so in its text value), so that MEDS tools matching
+   ``MEDS_DEATH`` find every death;
+5. this release: the store records its shard count (``store/sharding.json``; format 4's stores have 16, a new store
+   gets a count that grows with its source) and its code counts per source table (``store/code_tables.parquet``,
+   which a deletion updates by subtraction).
 
 A migration keeps every event and every piece of deletion evidence: the old ledger and its certificates are kept
 as they were, checked, and sealed by a migration certificate that is the first entry of the signed log (it names
@@ -30,13 +33,15 @@ import numpy as np
 import polars as pl
 
 from .evidence import CHECKPOINT, LEDGER, canonical, load_signing_key, new_entry, read_log, receipt_path, sha256_text
-from .extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE, N_BUCKETS, sql_literal
+from .extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE, sql_literal
 from .locking import workspace_lock
-from .meds import (EVENT_COLUMNS, SHARD_ORDER, codes_metadata_path, quarantine_files, shard_of, write_codes_metadata,
+from .meds import (EVENT_COLUMNS, SHARD_ORDER, code_table_counts_sql, code_tables_path, codes_metadata_path,
+                   events_glob, quarantine_files, shard_files, shard_path, write_code_tables, write_codes_metadata,
                    write_dataset_metadata, write_shard)
 from .privacy import id_refs, stay_ref, store_key
+from .sharding import LEGACY_COUNT, Sharding
 
-FORMAT = 4
+FORMAT = 5
 FORMAT_FILE = "format.json"
 LEGACY_LEDGER = "ledger-v1.jsonl"
 LEGACY_CERTIFICATES = "legacy-v1"
@@ -101,7 +106,9 @@ def migrate(root: Path) -> list[str]:
         if v < 3:
             done += _meds_conventions(store)
             done += _derived_without_raw_ids(root) if store != root else []
-        done += _death_dates_as_meds_death(store)
+        if v < 4:
+            done += _death_dates_as_meds_death(store)
+        done += _recorded_layout(store)
         (store / FORMAT_FILE).write_text(json.dumps({"format": FORMAT, "migrated_from": v,
                                                      "migrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
     return done + [f"format {v} -> {FORMAT}"]
@@ -115,12 +122,12 @@ def _store_from_buckets(store: Path) -> list[str]:
     con = duckdb.connect()
     cols = ", ".join(EVENT_COLUMNS)
     n = 0
-    for k in range(N_BUCKETS):
+    for k in range(LEGACY_COUNT):
         files = sorted((store / "events" / f"bucket={k}").glob("*.parquet"))
         if files:
             src = "[" + ", ".join(sql_literal(f) for f in files) + "]"
             write_shard(con, f"SELECT {cols} FROM read_parquet({src}, union_by_name=true) ORDER BY {SHARD_ORDER}",
-                        shard_of(store, k))
+                        shard_path(store, k))
             n += len(files)
     con.close()
     old_codes = store / "codes.parquet"
@@ -284,3 +291,19 @@ def _death_dates_as_meds_death(store: Path) -> list[str]:
     _merge_codes(store, {LEGACY_DEATH_DATE_CODE: DEATH_CODE})
     return [f"store: a date of death alone coded {DEATH_CODE} (was {LEGACY_DEATH_DATE_CODE}), its text value "
             f"'{DEATH_DATE_ONLY}'"]
+
+
+# -- format 4 -> 5 ----------------------------------------------------------------------------------------------
+
+def _recorded_layout(store: Path) -> list[str]:
+    """The store's shard count recorded (the 16 every earlier store has: the shards stay as they are) and its
+    code counts per source table counted."""
+    Sharding(LEGACY_COUNT).record(store)
+    done = [f"store: its shard count ({LEGACY_COUNT}) recorded"]
+    if shard_files(store):
+        con = duckdb.connect()
+        write_code_tables(code_tables_path(store), con.sql(code_table_counts_sql(
+            f"read_parquet({sql_literal(events_glob(store))})")).pl())
+        con.close()
+        done.append("store: code counts per source table counted")
+    return done

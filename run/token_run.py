@@ -36,9 +36,10 @@ from cohorts.stay_chunks import (StayChunk, chunk_events, chunk_scan, code_diges
                                  stay_digests)
 from cohorts.tokens import TokenScaling, check_scaling, declared_scaling, filled_tokens, reading_spec, threshold_expr
 from pipeline.extract import store_codes
-from pipeline.extract_rules import N_BUCKETS, sql_literal
-from pipeline.meds import LabelFiles, shard_of
+from pipeline.extract_rules import sql_literal
+from pipeline.meds import LabelFiles, shard_path
 from pipeline.privacy import id_refs, keyed_hash, store_key
+from pipeline.sharding import Sharding
 
 from .stay_cache import StayCache
 
@@ -59,6 +60,7 @@ def _digest(*parts) -> str:
 class StayIndex:
     """The cohort's stays with their shard and content key (``key``), and what the run derived globally."""
     cohort: pl.DataFrame                  # build_cohort's rows + shard, key
+    sharding: Sharding                    # the store's
     rare: set = field(default_factory=set)
     rare_threshold: float = 0.0
     scaling: TokenScaling | None = None
@@ -70,7 +72,7 @@ class StayIndex:
 
 
 def _shard_fingerprint(store: Path, shard: int, stays: pl.DataFrame, cfg_key: str) -> str:
-    p = shard_of(store, shard)
+    p = shard_path(store, shard)
     st = p.stat() if p.exists() else None
     rows = stays.drop("split").sort("stay_id").rows() if stays.height else []
     return _digest(shard, (st.st_size, st.st_mtime_ns) if st else None, rows, cfg_key)
@@ -130,8 +132,9 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
     keeps the keys of the stays still there, whose events are the same rows, instead of reading the shard's
     events again to recompute them."""
     store = ws.store
-    cohort = _with_shard(build_cohort(store, cfg))
-    before = _with_shard(build_cohort(removed_from, cfg)) if removed_from is not None else None
+    sharding = Sharding.of_store(store)
+    cohort = _with_shard(build_cohort(store, cfg), sharding)
+    before = _with_shard(build_cohort(removed_from, cfg), sharding) if removed_from is not None else None
     cfg_key = _digest(cfg.digest, code_digest())
     channels = cfg.channels
     names = [c.name for c in channels]
@@ -139,7 +142,7 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
     secret = store_key(store, ws.root)
     caches = {k: StayCache(ws, k) for k in ("tokens", "facts", "fired", "codes")}
     keys_all, computed = {}, 0
-    for shard in range(N_BUCKETS):
+    for shard in sharding.shards():
         rows = cohort.filter(pl.col("shard") == shard).drop("shard")
         fp = _shard_fingerprint(store, shard, rows, cfg_key)
         refs = _stay_refs(rows["stay_id"].to_list(), secret)
@@ -159,7 +162,7 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
                 on_chunk(rows.height)
         else:
             shard_keys = {}
-            for chunk in plan_chunks(rows, chunk_stays):
+            for chunk in plan_chunks(rows, sharding, chunk_stays):
                 events = chunk_events(store, chunk)
                 digests = stay_digests(events, chunk.stays)
                 keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
@@ -180,11 +183,11 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
         _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])))
         keys_all.update(shard_keys)
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
-    return StayIndex(cohort.with_columns(key_col), computed={"tokens": computed})
+    return StayIndex(cohort.with_columns(key_col), sharding, computed={"tokens": computed})
 
 
-def _with_shard(cohort: pl.DataFrame) -> pl.DataFrame:
-    return cohort.with_columns((pl.col("subject_id") % N_BUCKETS).cast(pl.Int64).alias("shard"))
+def _with_shard(cohort: pl.DataFrame, sharding: Sharding) -> pl.DataFrame:
+    return cohort.with_columns(sharding.expr(pl.col("subject_id")).alias("shard"))
 
 
 def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: CohortConfig) -> None:
@@ -210,12 +213,12 @@ def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int) -> None:
         pl.col("key").map_elements(lambda k: _digest(k, vocab), return_dtype=pl.String).alias("rare_key"))
     rare = pl.Series(sorted(index.rare), dtype=pl.String).implode()
     computed = 0
-    for shard in range(N_BUCKETS):
+    for shard in index.sharding.shards():
         rows = index.shard_rows(shard)
         present = cache.keys(shard)
         todo = rows.filter(~pl.col("rare_key").is_in(pl.Series(list(present), dtype=pl.String).implode()))
         new = []
-        for chunk in plan_chunks(todo.drop("key", "rare_key", "shard"), chunk_stays) if todo.height else []:
+        for chunk in plan_chunks(todo.drop("key", "rare_key", "shard"), index.sharding, chunk_stays) if todo.height else []:
             events = chunk_scan(ws.store, chunk).filter(pl.col("code").is_in(rare))
             hours = in_windows(events, chunk.stays).select("stay_id", "hour").unique().collect()
             keys = chunk.stays.join(todo.select("stay_id", "rare_key"), on="stay_id").select("stay_id", "rare_key")
@@ -344,7 +347,7 @@ def label_run(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays: i
     grid_cfg_key = _digest(asdict(replace(cfg.streaming, select_max_stays=None)),
                            code_digest())
     grid, per_stay, computed = [], [], 0
-    for shard in range(N_BUCKETS):
+    for shard in index.sharding.shards():
         tok = labelled_shard(ws, index, cfg, shard)
         if tok.height:
             ends = tok.with_columns((pl.col("time") + pl.duration(
@@ -426,7 +429,7 @@ def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: Sc
     ws.stay_memories.mkdir(parents=True, exist_ok=True)
     cache = StayCache(ws, "scores")
     batch, score_keys = [], {}
-    for shard in range(N_BUCKETS):
+    for shard in index.sharding.shards():
         tok = labelled_shard(ws, index, cfg, shard, split="eval")
         if tok.height == 0:
             continue
@@ -454,7 +457,8 @@ def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: Sc
 def store_scores(ws: Workspace, streams: list[TokenStream], rows: list[dict]) -> None:
     """Cache the per-stay long rows of scored ``streams`` under their score keys (no identifier kept)."""
     key_of = {s.stay_id: s.score_key for s in streams}
-    shard_of_stay = {s.stay_id: int(s.subject_id) % N_BUCKETS for s in streams}
+    sharding = Sharding.of_store(ws.store)
+    shard_of_stay = {s.stay_id: sharding.shard(s.subject_id) for s in streams}
     frame = pl.DataFrame(rows, infer_schema_length=None)
     frame = frame.with_columns(pl.col("stay_id").replace_strict(key_of, return_dtype=pl.String).alias("key"),
                                pl.col("stay_id").replace_strict(shard_of_stay, return_dtype=pl.Int64).alias("_shard"))
@@ -482,7 +486,7 @@ def write_results(ws: Workspace, index: StayIndex) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
     writer = None
-    for shard in range(N_BUCKETS):
+    for shard in index.sharding.shards():
         rows = index.shard_rows(shard).drop_nulls("score_key")
         wanted = set(rows["score_key"].to_list())
         cache.update(shard, wanted)

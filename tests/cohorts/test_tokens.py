@@ -14,8 +14,8 @@ from cohorts.protocols import (StreamingSettings, exact_alpha, fixed_context_sel
 from cohorts.tokens import build_tokens, label_tokens
 from memory.kernels import rbf
 from memory.libsvm import sklearn_fit
-from pipeline.extract_rules import N_BUCKETS
-from pipeline.meds import shard_of, write_frame_shard
+from pipeline.meds import shard_path, write_frame_shard
+from pipeline.sharding import Sharding
 from tests.builders import edited_config
 
 T0 = datetime(2150, 1, 1, 8, 0, 0)
@@ -40,8 +40,8 @@ def _write_store(root, stays, events):
         pl.lit("chartevents").alias("source_table"), pl.lit(None, dtype=pl.String).alias("unit"))
     ev = ev.with_columns(pl.Series("event_hash", [hashlib.sha256(f"{i}".encode()).hexdigest()[:32]
                                                   for i in range(ev.height)]), pl.lit(0).alias("occurrence"))
-    for k, shard in ev.with_columns((pl.col("subject_id") % N_BUCKETS).alias("k")).group_by("k"):
-        write_frame_shard(shard, shard_of(root, k[0]))
+    for k, shard in ev.with_columns(Sharding.of_store(root).expr(pl.col("subject_id")).alias("k")).group_by("k"):
+        write_frame_shard(shard, shard_path(root, k[0]))
     return root
 
 

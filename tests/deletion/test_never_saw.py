@@ -16,7 +16,9 @@ from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.evidence import TrustAnchor, load_signing_key, public_hex, verify_certificate
+from pipeline.meds import shard_files
 from pipeline.privacy import keyed_hash, load_key, stay_ref, subject_ref
+from pipeline.sharding import Sharding
 from pipeline.workspace import Workspace
 from reports.html import render_report
 from run.cohort_memory import update_cohort_memory
@@ -213,3 +215,28 @@ def test_a_replay_keeps_the_content_keys_of_the_other_stays_of_the_patients_shar
     assert_equal_workspaces(ws, never)
     keys = {f.name: json.loads(f.read_text())["keys"] for f in sorted(ws.cache.glob("index/*.json"))}
     assert keys == {f.name: json.loads(f.read_text())["keys"] for f in sorted(never.cache.glob("index/*.json"))}
+
+
+@pytest.mark.slow
+def test_a_store_of_many_shards_runs_and_deletes_as_one_of_sixteen(full, tmp_path, monkeypatch):
+    """The shard count grows with the source (pipeline.sharding): a store made with 64 shards holds the same
+    events and its run makes the same artifacts as the 16-shard one; a batch replay on it rewrites only the
+    patients' shards and equals a run that never saw them (whose smaller source may get fewer shards)."""
+    source, ws16 = full
+    size = sum(f.stat().st_size for f in source.rglob("*.csv.gz"))
+    monkeypatch.setattr("pipeline.sharding.SOURCE_BYTES_PER_SHARD", size // 40)
+    ws = Workspace(tmp_path / "many")
+    extract(source, ws.store, key=load_key())
+    assert Sharding.of_store(ws.store) == Sharding(64) and Sharding.of_store(ws16.store) == Sharding(16)
+    run(ws)
+    assert_equal_workspaces(ws, ws16)
+    cfg = workspace_config(ws.root)
+    subjects = pl.read_parquet(ws.store / "stays.parquet")["subject_id"].unique().sort().to_list()
+    sids = [next(s for s in subjects if is_eval_subject(s, cfg)), next(s for s in subjects
+                                                                      if not is_eval_subject(s, cfg))]
+    before = {f.name: f.stat().st_mtime_ns for f in shard_files(ws.store)}
+    delete_subjects(ws, sids, mode="replay")
+    touched = {f"{s % 64}.parquet" for s in sids}
+    assert {n for n, t in before.items() if not (ws.store / "data" / n).exists()
+            or (ws.store / "data" / n).stat().st_mtime_ns != t} <= touched
+    assert_equal_workspaces(ws, never_saw(source, tmp_path, sids))

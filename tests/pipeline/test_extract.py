@@ -4,6 +4,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import polars as pl
 import pytest
@@ -13,6 +14,8 @@ from cohorts.definitions import (build_cohort, deterioration_hours, is_eval_subj
 from pipeline.extract import ExtractionError, UnknownSubjectError, extract, read_subject, scan_events
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.keys import KEY_DIM, EventKeyer
+from pipeline.meds import shard_files
+from pipeline.sharding import Sharding
 
 DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mimic-iv-demo"
 
@@ -121,6 +124,28 @@ def test_incremental_run_adds_only_new_rows(source, tmp_path):
     assert third.tables["labevents"]["skipped"]
     assert third.total_events == first.total_events + 3
     assert extract(src, out).new_events == 0
+
+
+def test_the_shard_count_grows_with_the_source_and_stays_with_the_store(source, tmp_path, monkeypatch):
+    """A new store's shard count comes from its source's size (16 at least, powers of two, at most 4,096) and is
+    recorded: a later run keeps it whatever its files' sizes; Python, Polars and SQL put a subject in one shard."""
+    assert [Sharding.for_source(b).count for b in (0, 13 * 2**20, 715 * 10**6, 7 * 10**9, 10**15)] == \
+        [16, 16, 128, 2048, 4096]
+    with pytest.raises(ValueError, match="power of two"):
+        Sharding(48)
+    ids = [0, 1, 17, 10001217, 6_810_001_217, -5]
+    sharding = Sharding(128)
+    in_sql = [r[0] for r in duckdb.sql(f"SELECT {sharding.sql('x')} FROM unnest({ids}) t(x)").fetchall()]
+    assert in_sql == [sharding.shard(i) for i in ids] == pl.select(sharding.expr(pl.Series(ids))).to_series().to_list()
+    size = sum(f.stat().st_size for f in source.rglob("*.csv.gz") if "d_" not in f.name)
+    monkeypatch.setattr("pipeline.sharding.SOURCE_BYTES_PER_SHARD", size // 20)
+    out = tmp_path / "out"
+    extract(source, out)
+    assert Sharding.of_store(out) == Sharding(32)
+    for f in shard_files(out):                      # each subject in its shard
+        assert set(pl.read_parquet(f, columns=["subject_id"])["subject_id"].unique() % 32) == {int(f.stem)}
+    monkeypatch.setattr("pipeline.sharding.SOURCE_BYTES_PER_SHARD", size)
+    assert extract(source, out).new_events == 0 and Sharding.of_store(out) == Sharding(32)
 
 
 def test_a_rerun_reads_no_unchanged_source_file(source, tmp_path, monkeypatch):

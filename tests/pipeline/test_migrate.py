@@ -15,9 +15,10 @@ from pipeline.evidence import LEDGER, read_log, verify_certificate
 from pipeline.extract import extract
 from pipeline.extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE
 from pipeline.generate import GeneratorConfig, generate
-from pipeline.meds import codes_metadata_path, shard_files
+from pipeline.meds import code_tables_path, codes_metadata_path, shard_files
 from pipeline.migrate import FORMAT, FORMAT_FILE, LEGACY_LEDGER, MigrationError, check_format, migrate, store_format
 from pipeline.privacy import load_key
+from pipeline.sharding import SHARDING_FILE, Sharding
 from pipeline.workspace import Workspace
 
 OLD_CODES = {"MEDS_DEATH": "DEATH", "MEDS_DEATH//DOD": "DEATH//DOD"}
@@ -80,11 +81,18 @@ def _hash_chain_ledger(root, n):
     (root / LEDGER).write_text("\n".join(lines) + "\n")
 
 
+def _without_format_5_files(store):
+    """A store as releases before format 5 left it: no recorded shard count, no code counts per table."""
+    (store / SHARDING_FILE).unlink()
+    code_tables_path(store).unlink()
+
+
 def format_1(current, dest):
     """A workspace as the first releases left it: events/bucket=K/run-*.parquet, store/codes.parquet, an
     unsigned ledger with two certificates."""
     _, ws = current
     shutil.copytree(ws.store, dest / "store")
+    _without_format_5_files(dest / "store")
     old = _old_events(ws)
     for (k,), part in old.with_columns((pl.col("subject_id") % 16).alias("bucket")).group_by(["bucket"]):
         d = dest / "store" / "events" / f"bucket={k}"
@@ -161,6 +169,7 @@ def test_a_second_format_workspace_migrates_its_conventions_and_raw_ids(current,
     _, ws_now = current
     ws = Workspace(tmp_path / "v2")
     shutil.copytree(ws_now.store, ws.store)
+    _without_format_5_files(ws.store)
     for f in shard_files(ws.store):
         _format_3(pl.read_parquet(f)).with_columns(pl.col("code").replace(OLD_CODES)).write_parquet(f)
     (ws.store / FORMAT_FILE).unlink()
@@ -181,6 +190,7 @@ def test_a_third_format_store_codes_every_death_meds_death(current, tmp_path):
     source, ws_now = current
     ws = Workspace(tmp_path / "v3")
     shutil.copytree(ws_now.store, ws.store)
+    _without_format_5_files(ws.store)
     for f in shard_files(ws.store):
         _format_3(pl.read_parquet(f)).write_parquet(f)
     (ws.store / FORMAT_FILE).write_text(json.dumps({"format": 3}))
@@ -191,3 +201,22 @@ def test_a_third_format_store_codes_every_death_meds_death(current, tmp_path):
     assert pl.read_parquet(shard_files(ws.store)).sort(order).equals(
         pl.read_parquet(shard_files(ws_now.store)).sort(order))
     assert extract(source, ws.store, key=load_key()).new_events == 0     # the rows it holds are recognised
+
+
+def test_a_fourth_format_store_records_its_sixteen_shards_and_counts_codes_per_table(current, tmp_path):
+    """Format 4's stores have 16 shards, recorded nowhere; the migration records the count (the shards stay as
+    they are) and counts the codes per table, which a deletion then updates by subtraction."""
+    source, ws_now = current
+    ws = Workspace(tmp_path / "v4")
+    shutil.copytree(ws_now.store, ws.store)
+    _without_format_5_files(ws.store)
+    (ws.store / FORMAT_FILE).write_text(json.dumps({"format": 4}))
+    shards = {f.name: f.read_bytes() for f in shard_files(ws.store)}
+    with pytest.raises(MigrationError, match="forgetful migrate"):
+        check_format(ws.store)
+    steps = migrate(ws.root)
+    assert store_format(ws.store) == FORMAT and any("shard count (16)" in s for s in steps)
+    assert Sharding.of_store(ws.store) == Sharding(16)
+    assert {f.name: f.read_bytes() for f in shard_files(ws.store)} == shards
+    assert pl.read_parquet(code_tables_path(ws.store)).equals(pl.read_parquet(code_tables_path(ws_now.store)))
+    assert extract(source, ws.store, key=load_key()).new_events == 0
