@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import TYPE_CHECKING
@@ -240,14 +240,25 @@ def bootstrap_cis(samples: list, n_boot: int = 10_000, seed: int = 0, level: flo
         else:
             by_size.setdefault(len(x), []).append((i, x))
     for n, group in by_size.items():
-        means = [[] for _ in group]
-        for block in _resample_indices(n, n_boot, seed):
-            for k, (_, x) in enumerate(group):
-                means[k].append(resampled_means(x, block))
-        for k, (i, _) in enumerate(group):
-            lo, hi = np.quantile(np.concatenate(means[k]), [(1 - level) / 2, 1 - (1 - level) / 2])
-            out[i] = float(lo), float(hi)
+        blocks = _resample_indices(n, n_boot, seed)
+
+        def ci(x: np.ndarray) -> tuple[float, float]:
+            means = np.concatenate([resampled_means(x, block) for block in blocks])
+            lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+            return float(lo), float(hi)
+        for (i, _), bounds in zip(group, _side_by_side(ci, [x for _, x in group])):
+            out[i] = bounds
     return out
+
+
+def _side_by_side(fn: Callable, items: list) -> list:
+    """``[fn(x) for x in items]``, one thread per core: the resampling's compiled loops release the GIL, so a
+    run's hundreds of independent tests share the machine's cores (each result the same bits as alone)."""
+    workers = min(os.cpu_count() or 1, len(items))
+    if workers <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
 
 
 def sign_flip_p(d: list | np.ndarray, n_perm: int = 10_000, seed: int = 0) -> float:
@@ -322,7 +333,7 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
     grouped = (frame.select(*GROUP, stay, "value").with_columns(pl.col(g).cast(pl.String) for g in GROUP)
                .group_by(GROUP).agg(pl.col(stay).sort_by(stay), pl.col("value").sort_by(stay)).collect())
     by = {tuple(r[:len(GROUP)]): (np.asarray(r[-2]), np.asarray(r[-1], dtype=np.float64)) for r in grouped.iter_rows()}
-    summary, values, paired, diffs = [], [], [], []
+    summary, values, pairs, diffs = [], [], [], []
     for group, (stays, v) in sorted(by.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         fields = dict(zip(GROUP, group))
         summary.append(SummaryRow(**fields, mean=float(v.mean()), n=int(len(v))))
@@ -332,7 +343,11 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
             ref_stays, ref_v = by[ref_key]
             _, i, j = np.intersect1d(ref_stays, stays, assume_unique=True, return_indices=True)
             diffs.append(ref_v[i] - v[j])
-            paired.append(_paired_row(fields, diffs[-1], endpoints))
+            pairs.append(fields)
+    # tests of one size side by side share their cached draws
+    by_size = sorted(range(len(pairs)), key=lambda k: len(diffs[k]))
+    tested = _side_by_side(lambda k: _paired_row(pairs[k], diffs[k], endpoints), by_size)
+    paired = [row for _, row in sorted(zip(by_size, tested), key=lambda kr: kr[0])]
     cis = bootstrap_cis(values + diffs)     # at once: samples of one size share the resampling's draws
     summary = [replace(r, ci_low=lo, ci_high=hi) for r, (lo, hi) in zip(summary, cis)]
     paired = [replace(r, ci_low=lo, ci_high=hi) for r, (lo, hi) in zip(paired, cis[len(values):])]

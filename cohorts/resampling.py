@@ -84,7 +84,7 @@ def _pairwise_sum(x, idx, w, lo, n):
             return val
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)    # without the GIL: cohorts.evaluation runs independent tests in threads
 def _row_means(x, idx, w):
     """For each row b: the mean of x[idx[b, i]] * w[b, i]; an argument with one row serves every row."""
     m, n = max(idx.shape[0], w.shape[0]), idx.shape[1]

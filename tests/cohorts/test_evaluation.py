@@ -240,3 +240,19 @@ def test_the_compiled_resampling_means_are_numpys_to_the_bit():
         assert np.array_equal(resampled_means(x, draws), x[draws].mean(1))
         flips = rng.choice([-1.0, 1.0], size=(30, n)).astype(np.int8)
         assert np.array_equal(flipped_means(x, flips), (flips * x).mean(1))
+
+
+def test_tests_run_side_by_side_give_the_numbers_one_at_a_time_gives(monkeypatch):
+    """The bootstrap CIs and paired tests run one thread per core; every number equals a single thread's."""
+    import cohorts.evaluation as evaluation
+    rng = np.random.default_rng(3)
+    rows = [{"stay_id": s, "subject_id": s, "protocol": "streaming", "tokens": "hourly", "keys": "k",
+             "label": "clinical_criteria", "budget": b, "policy": p, "metric": "retention",
+             "value": float(rng.uniform())}
+            for s in range(60) for b in (8, 16, 32) for p in ("sv_certified", "recency", "random")
+            if s % (b // 8) == 0]
+    together = aggregate(rows)
+    monkeypatch.setattr(evaluation.os, "cpu_count", lambda: 1)
+    evaluation._resample_indices.cache_clear()
+    evaluation._sign_flips.cache_clear()
+    assert aggregate(rows) == together and len(together[1]) == 6
