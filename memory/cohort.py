@@ -59,11 +59,13 @@ class CohortMemory:
         return self.policy.memory
 
     def feed(self, keys: np.ndarray, token_ids: list, order_keys: list) -> None:
-        """Offer events in order; those at or below the watermark (already fed) are skipped."""
-        for key, tid, ok in zip(keys, token_ids, order_keys):
+        """Offer events in order; those at or below the watermark (already fed) are skipped. The block's keys are
+        checked once, as the memory checks one."""
+        checked = self.memory.check_keys(keys) if len(keys) else keys
+        for key, x, tid, ok in zip(keys, checked, token_ids, order_keys):
             if ok <= self.watermark:
                 continue
-            self.policy.learn_one(np.asarray(key, dtype=np.float64), None, tid)
+            self.policy.learn_one(x, None, tid, check_input=False)
             self.watermark = ok
             self.fed += 1
             if self.history is not None:

@@ -74,11 +74,13 @@ class SVSelection(Policy):
         self.uncertified = 0
         self.certified_ids = []   # tokens evicted with a certificate, in eviction order (certificate expiry)
 
-    def learn_one(self, key: np.ndarray, value: np.ndarray | None, token_id: int | str) -> None:
+    def learn_one(self, key: np.ndarray, value: np.ndarray | None, token_id: int | str,
+                  check_input: bool = True) -> None:
+        """``check_input=False``: ``key`` is a row of ``memory.check_keys``' block (:meth:`SVMemory.add`)."""
         if self.memory.n_tokens < self.budget:
-            self.memory.add(key, value, token_id=token_id)
+            self.memory.add(key, value, token_id=token_id, check_input=check_input)
             return
-        if self.memory.offer(key, value, token_id):
+        if self.memory.offer(key, value, token_id, check_input):
             # added and evicted at once: a new reserve atom with the largest slack (certified, as below)
             self.certified += 1
             self.certified_ids.append(token_id)

@@ -127,6 +127,34 @@ def test_bad_keys_values_and_ids():
     assert mem.n_tokens == 1
 
 
+def test_a_block_of_keys_checked_at_once_feeds_the_memory_as_keys_checked_one_by_one(tmp_path):
+    """The cohort memory checks a block of keys once (memory.check_keys) and adds its rows unchecked; the saved
+    state, the certified evictions and the history digest (of the keys as given, -0.0 included) equal a feed that
+    checks every key."""
+    from memory.cohort import DIGEST_MOD, CohortMemory, row_hash
+    rng = np.random.default_rng(7)
+    keys = np.round(rng.normal(size=(300, 4)), 1)
+    keys[[3, 40, 41]] = keys[[2, 39, 39]]          # duplicate keys
+    keys[7, 1] = -0.0
+    ids, order = [f"s:{i}" for i in range(300)], [f"{i:05d}" for i in range(300)]
+    block = CohortMemory(budget=16, gamma=0.5)
+    block.feed(keys, ids, order)
+    each = CohortMemory(budget=16, gamma=0.5)
+    for key, tid, ok in zip(keys, ids, order):
+        each.policy.learn_one(key, None, tid)
+        each.history = (each.history + row_hash(ok, key)) % DIGEST_MOD
+    block.memory.save(tmp_path / "block.npz")
+    each.memory.save(tmp_path / "each.npz")
+    assert (tmp_path / "block.npz").read_bytes() == (tmp_path / "each.npz").read_bytes()
+    assert block.policy.certified_ids == each.policy.certified_ids and block.history == each.history
+    bad = keys.copy()
+    bad[5, 2] = np.nan
+    with pytest.raises(InvalidKeyError, match="key 5 of the block has non-finite"):
+        CohortMemory(budget=16).feed(bad, ids, order)
+    with pytest.raises(InvalidKeyError, match="dimension 3"):
+        block.feed(keys[:, :3], ids, [f"x{i}" for i in range(300)])
+
+
 def test_removing_the_last_token_is_refused():
     mem = SVMemory(C=1.0)
     t = mem.add([0.0])

@@ -447,13 +447,13 @@ def _stream_both_ways(X, budget, gamma, folder):
     real = SVMemory.offer
     passed = []
 
-    def counted(self, key, value, token_id):
-        through = real(self, key, value, token_id)
+    def counted(self, key, value, token_id, check_input=True):
+        through = real(self, key, value, token_id, check_input)
         passed.append(through)
         return through
 
-    def adds(self, key, value, token_id):
-        self.add(key, value, token_id)
+    def adds(self, key, value, token_id, check_input=True):
+        self.add(key, value, token_id, check_input)
         return False
 
     policies, saved = [], []
