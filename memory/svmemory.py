@@ -290,7 +290,7 @@ class SVMemory:
         x, v, token_id = self._check_new_token(key, value, token_id, check_input)
         return self._add(x, v, token_id, self._state.atoms.slot_of_key(x))
 
-    def check_keys(self, keys) -> np.ndarray:
+    def check_keys(self, keys: list | np.ndarray) -> np.ndarray:
         """A block of keys (m x dim) checked at once, as :meth:`add` checks one: fp64, finite, of the memory's
         dimension, -0.0 made 0.0; its rows may then be added with ``check_input=False`` (a long stream's per-key
         checks were a third of its cost)."""

@@ -9,6 +9,7 @@ import polars as pl
 import psutil
 import pytest
 
+from flows.api_server import DEFAULT_STARTUP_SECONDS, STARTUP_TIMEOUT_SETTING
 from flows.cli import build_parser, main
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
@@ -93,6 +94,9 @@ def test_commands_started_together_on_a_fresh_prefect_home_all_start(tmp_path):
     """They used to race on creating Prefect's database (sqlite3.OperationalError: index ... already exists)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
+    # the wait every command gives a server (flows.api_server.default_startup_wait): six fresh ones on two cores
+    # took more than Prefect's own 20 s
+    env[STARTUP_TIMEOUT_SETTING] = str(DEFAULT_STARTUP_SECONDS)
     code = ("from prefect import flow\nfrom flows.api_server import shared_api_server\n"
             "@flow\ndef hello():\n    return 1\nwith shared_api_server():\n    assert hello() == 1\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -108,6 +112,7 @@ def test_the_temporary_prefect_server_ends_with_a_killed_command(tmp_path, sig):
     """14 of 29 killed commands used to leave their temporary server running: its exit hook never ran."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env[STARTUP_TIMEOUT_SETTING] = str(DEFAULT_STARTUP_SECONDS)     # as every command gives it
     code = ("import time\nfrom flows.api_server import shared_api_server\n"
             "with shared_api_server():\n    print('up', flush=True)\n    time.sleep(600)\n")
     cmd = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
