@@ -137,11 +137,11 @@ def cohort_token_stream(store: Path, cfg: CohortConfig, key: bytes, scaling: Tok
     if scaling is None and subject_ids is not None:
         raise ValueError("some subjects' stream needs the persisted token statistics")
     # a subject's rows lie in their shard: only the subjects' shards are read
+    events = None
     if subject_ids is not None:
         sharding = Sharding.of_store(store)
         shards = sorted(p for p in {shard_path(store, sharding.shard(s)) for s in subject_ids} if p.exists())
-    events = None if subject_ids is None else \
-        scan_events_in(shards).filter(pl.col("subject_id").is_in(_ids(subject_ids)))
+        events = scan_events_in(shards).filter(pl.col("subject_id").is_in(_ids(subject_ids)))
     table = build_tokens(store, cfg, scaling=scaling, cohort=_cohort_of(store, cfg, subject_ids), events=events)
     tok = table.tokens
     tie = pl.col("event_hash").list.min().min().over("stay_id")

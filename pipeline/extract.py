@@ -545,18 +545,20 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
             changed = _changed_files({f"meds:{p.relative_to(source)}": p for p in shards}, manifest, summary)
             for info in changed.values():
                 info["rows"] = pq.ParquetFile(info["path"]).metadata.num_rows
+            sharding = _sharding(out, changed)
             events = stage_meds(con, source, shards, [Path(i["path"]) for i in changed.values()],
                                 stay_codes or MedsStayCodes())
             _check_stays(con, source, "no ICU stays: no stays.parquet, and no code matches the ICU admission "
                                       "pattern (meds_source.admission in the cohort config)")
             if events is not None:
                 with progress.step("reading changed source files"):
-                    _stage_rows(con, events, staging / "file-0", _sharding(out, changed))
+                    _stage_rows(con, events, staging / "file-0", sharding)
             groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
         else:
             files = {k: f for t in EVENT_TABLES if t in paths for k, f in table_files(t, paths[t]).items()}
             changed = _changed_files(files, manifest, summary)
-            _stage(con, paths, changed, staging, _sharding(out, changed))
+            sharding = _sharding(out, changed)
+            _stage(con, paths, changed, staging, sharding)
             groups = {}
             for name, info in changed.items():
                 table = name.split("/")[0]
@@ -564,7 +566,7 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
         with progress.phase("dropping deleted patients' stays"):
             _suppress(con, suppressed, "stays")
         summary.new_events, summary.suppressed_rows = _check_and_write(con, out, run_id, staging, suppressed,
-                                                                                Sharding.of_store(out))
+                                                                                sharding)
         with progress.phase("counting rows per table and rule"):
             _summarise(con, changed, summary, manifest, groups)
         if changed or summary.new_events or not _metadata_current(out):

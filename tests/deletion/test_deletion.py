@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import polars as pl
 import pytest
 
 from cohorts.definitions import build_cohort, load_config
@@ -14,6 +15,7 @@ from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
 from pipeline.extract import UnknownSubjectError, extract, staging_dir
 from pipeline.generate import GeneratorConfig, generate
+from pipeline.meds import code_tables_path
 from pipeline.privacy import keyed_hash, load_key
 from pipeline.workspace import Workspace
 from tests.workspaces import copy_ws, ref, scored_subjects, subject_with_memory_tokens
@@ -134,3 +136,23 @@ def test_a_new_cohort_memory_claims_no_history_check(plain_ws, tmp_path):
     ws = copy_ws(plain_ws, tmp_path / "ws")
     shutil.rmtree(ws.cohort_checkpoints)
     assert update_cohort_memory(ws, budget=24, tokens="events")["history"] == {"checked": False, "new_memory": True}
+
+
+def test_a_store_missing_its_code_counts_per_table_refuses_a_deletion_whole_and_extraction_recounts_them(
+        plain_ws, tmp_path):
+    """A deletion subtracts the patient's events from the code counts per table; without them it refuses (one
+    message saying how to recount) and changes nothing; the next extraction counts them again."""
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    code_tables_path(ws.store).unlink()
+    before = {p: p.read_bytes() for p in ws.root.rglob("*") if p.is_file() and ".lock" not in p.name}
+    with pytest.raises(DeletionFailed, match="code_tables.parquet: missing.*forgetful extract"):
+        delete_subject(ws, sid)
+    assert {p: p.read_bytes() for p in ws.root.rglob("*") if p.is_file() and ".lock" not in p.name} == before
+    extract(ws.source, ws.store, key=load_key(ws.root))
+    counted = pl.read_parquet(code_tables_path(ws.store))
+    assert counted.equals(pl.read_parquet(code_tables_path(plain_ws.store)))
+    delete_subject(ws, sid)
+    mine = pl.read_parquet(code_tables_path(ws.store))
+    assert mine["count"].sum() == counted["count"].sum() - \
+        pl.read_parquet(plain_ws.store / "data").filter(pl.col("subject_id") == sid).height
