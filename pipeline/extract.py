@@ -44,10 +44,9 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PE
                             bigint, csv_reader, dictionary_selects, event_selects, header_names,
                             quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
-                   code_table_counts_sql, code_tables_path, codes_metadata_path, codes_of, events_glob,
-                   is_meds_dataset, meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files,
-                   shard_of, shard_path, stage_meds, stays_path, write_code_tables, write_codes_metadata,
-                   write_dataset_metadata, write_shard)
+                   code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob, is_meds_dataset,
+                   meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files, shard_of,
+                   shard_path, stage_meds, stays_path, write_codes_metadata, write_dataset_metadata, write_shard)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 from .sharding import Sharding, is_recorded
@@ -628,10 +627,7 @@ def _write_metadata(con, out: Path, source: Path, paths: dict) -> None:
     """
     if not shard_files(out):
         return
-    per_table = pl.from_arrow(con.sql(code_table_counts_sql(f"read_parquet({sql_literal(events_glob(out))})"))
-                              .arrow())
-    write_code_tables(code_tables_path(out), per_table)
-    counts = codes_of(per_table)
+    counts = codes_of(count_code_tables(con, out))
     known = _descriptions(con, source, paths)
     codes = (counts.join(known, on="code", how="left") if known is not None else
              counts.with_columns(pl.lit(None, dtype=pl.String).alias("description"),

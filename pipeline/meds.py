@@ -89,14 +89,20 @@ def quarantine_files(store: Path) -> list[Path]:
 
 
 def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: list | None = None) -> None:
-    """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically. Batches flow
-    from DuckDB to the file without collecting the shard in Python."""
+    """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically."""
+    write_query(con, query, path, EVENT_SCHEMA, params)
+
+
+def write_query(con: duckdb.DuckDBPyConnection, query: str, path: Path, schema: pa.Schema,
+                params: list | None = None) -> None:
+    """Stream ``query``'s rows (``schema``'s columns) into ``path`` with ``schema``, atomically. Batches flow from
+    DuckDB to the file without collecting the result in Python."""
     tmp = Path(str(path) + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     reader = con.sql(query, params=params or []).to_arrow_reader(100_000)
-    with pq.ParquetWriter(tmp, EVENT_SCHEMA) as writer:
+    with pq.ParquetWriter(tmp, schema) as writer:
         for batch in reader:
-            writer.write_batch(batch.select(EVENT_COLUMNS).cast(EVENT_SCHEMA))
+            writer.write_batch(batch.select(schema.names).cast(schema))
     os.replace(tmp, path)
 
 
@@ -125,9 +131,13 @@ def code_tables_path(store: Path) -> Path:
     return Path(store) / "code_tables.parquet"
 
 
-def code_table_counts_sql(shards: str) -> str:
-    """Per code and source table its count over ``shards`` (a DuckDB relation)."""
-    return f"SELECT code, source_table, count(*) AS count FROM {shards} GROUP BY code, source_table"
+def count_code_tables(con: duckdb.DuckDBPyConnection, store: Path) -> pl.DataFrame:
+    """Per code and source table its count over the store's shards, written to :func:`code_tables_path`; DuckDB
+    aggregates the shards without holding them."""
+    per_table = con.sql(f"SELECT code, source_table, count(*) AS count FROM read_parquet("
+                        f"{sql_literal(events_glob(store))}) GROUP BY code, source_table").pl()
+    write_code_tables(code_tables_path(store), per_table)
+    return per_table
 
 
 def write_code_tables(path: Path, per_table: pl.DataFrame) -> None:
@@ -187,10 +197,13 @@ class LabelFiles:
         table = meds.LabelSchema.align(labels.select(LABEL_ORDER).to_arrow())     # sorted at close
         meds.LabelSchema.validate(table)
         if name not in self._writers:
-            tmp = Path(str(self.paths[name]) + ".tmp")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            self._writers[name] = pq.ParquetWriter(tmp, table.schema)
+            parts = self._parts(name)
+            parts.parent.mkdir(parents=True, exist_ok=True)
+            self._writers[name] = pq.ParquetWriter(parts, table.schema)
         self._writers[name].write_table(table)
+
+    def _parts(self, name: str) -> Path:
+        return Path(str(self.paths[name]) + ".parts.tmp")
 
     def close(self) -> list[Path]:
         """Each file made: its parts (written shard by shard) merged in :data:`LABEL_ORDER` by DuckDB's sort, which
@@ -201,18 +214,13 @@ class LabelFiles:
                                                       "boolean_value": pl.Boolean}), path)
                 continue
             self._writers.pop(name).close()
-            parts, merged = Path(str(path) + ".tmp"), Path(str(path) + ".sorted.tmp")
+            parts = self._parts(name)
             con = duckdb.connect()
-            try:
-                reader = con.sql(f"SELECT * FROM read_parquet({sql_literal(parts)}) ORDER BY {', '.join(LABEL_ORDER)}"
-                                 ).to_arrow_reader(100_000)
-                schema = pq.read_schema(parts)                  # MEDS's, as the parts were written
-                with pq.ParquetWriter(merged, schema) as writer:
-                    for batch in reader:
-                        writer.write_batch(batch.cast(schema))
+            try:        # MEDS's schema, as the parts were written
+                write_query(con, f"SELECT * FROM read_parquet({sql_literal(parts)}) ORDER BY {', '.join(LABEL_ORDER)}",
+                            path, pq.read_schema(parts))
             finally:
                 con.close()
-            os.replace(merged, path)
             parts.unlink()
         return list(self.paths.values())
 

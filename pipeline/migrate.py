@@ -35,9 +35,8 @@ import polars as pl
 from .evidence import CHECKPOINT, LEDGER, canonical, load_signing_key, new_entry, read_log, receipt_path, sha256_text
 from .extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE, sql_literal
 from .locking import workspace_lock
-from .meds import (EVENT_COLUMNS, SHARD_ORDER, code_table_counts_sql, code_tables_path, codes_metadata_path,
-                   events_glob, quarantine_files, shard_files, shard_path, write_code_tables, write_codes_metadata,
-                   write_dataset_metadata, write_shard)
+from .meds import (EVENT_COLUMNS, SHARD_ORDER, codes_metadata_path, count_code_tables, quarantine_files, shard_files,
+                   shard_path, write_codes_metadata, write_dataset_metadata, write_shard)
 from .privacy import id_refs, stay_ref, store_key
 from .sharding import LEGACY_COUNT, Sharding
 
@@ -302,8 +301,7 @@ def _recorded_layout(store: Path) -> list[str]:
     done = [f"store: its shard count ({LEGACY_COUNT}) recorded"]
     if shard_files(store):
         con = duckdb.connect()
-        write_code_tables(code_tables_path(store), con.sql(code_table_counts_sql(
-            f"read_parquet({sql_literal(events_glob(store))})")).pl())
+        count_code_tables(con, store)
         con.close()
         done.append("store: code counts per source table counted")
     return done
