@@ -243,7 +243,7 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
     panel_h = 22 + n_pol * bar + pad
     top = max(r.ci_high for v in groups.values() for r in v if math.isfinite(r.ci_high))
     xmax = min(1.0, top * 1.05) if top > 0 else 1.0
-    width, height = 20 + panel_width * len(protocols), 40 + panel_h * len(labels) + 24
+    width, height = 20 + panel_width * len(protocols), 40 + panel_h * len(labels) + 36
     plot_w = panel_width - name_width - 60
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
              f'aria-label="retention at the headline budget, per label and protocol">',
@@ -275,9 +275,11 @@ def _headline_figure(summary, panel_width=440, bar=15, pad=8, name_width=110):
                              f'y2="{y + bar / 2}" stroke="#222"/>'
                              f'<text x="{X(r.ci_high) + 4:.1f}" y="{y + bar - 4}" font-size="10" '
                              f'fill="#444">{r.mean:.2f}</text>')
-    parts.append(f'<text x="{width / 2}" y="{height - 6}" font-size="12" text-anchor="middle">labelled tokens kept '
-                 f'(fraction of each stay\'s, mean over stays; bar = mean, line = 95% interval; axis 0 to '
-                 f'{xmax:.2g}), higher is better</text></svg>')
+    # two short lines from the left edge: one protocol's figure is 460 px wide, too narrow for one centred line
+    parts.append(f'<text x="20" y="{height - 20}" font-size="11">labelled tokens kept: fraction of each stay\'s, '
+                 f'mean over stays, higher is better</text>'
+                 f'<text x="20" y="{height - 6}" font-size="11">bar = mean, line = 95% interval; axis 0 to '
+                 f'{xmax:.2g}</text></svg>')
     return "".join(parts)
 
 
