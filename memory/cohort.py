@@ -5,7 +5,7 @@ A retrieval memory of the unit's atypical events. It is saved with its full solv
 ``"<owner>:<item>:<occurrence>"`` with an opaque owner reference (a keyed hash of the patient, made by the
 pipeline); ``watermark`` is the order key of the last event fed, events are
 fed in ``order_key`` order (ISO time, then event hash and occurrence). ``history`` is a digest of every row fed
-(:func:`history_digest`): a run compares it with the store's rows up to the watermark to notice rows that
+(:func:`prefix_digests`): a run compares it with the store's rows up to the watermark to notice rows that
 arrived late (dated before the watermark), which a watermark alone would skip for ever.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +41,22 @@ def row_hash(order_key: str, key: np.ndarray) -> int:
     return int.from_bytes(h[:8], "big")
 
 
-def history_digest(order_keys: list, keys: np.ndarray, upto: str) -> int:
-    """The multiset hash (sum of row hashes mod 2^64) of the rows ordered at or before ``upto``: equal for
-    equal histories in any order, and a row can be subtracted from it (deletion) without the others."""
-    return sum(row_hash(o, k) for o, k in zip(order_keys, keys) if o <= upto) % DIGEST_MOD
+def prefix_digests(rows: Iterable[tuple[str, np.ndarray]], marks: Iterable[str]) -> dict[str, int]:
+    """The history digest at each order key of ``marks``: the multiset hash (sum of row hashes mod 2^64) of the
+    rows ordered at or before it, equal for equal histories in any order, and a row can be subtracted from it
+    (deletion) without the others. One pass over ``rows``, which come in order-key order, up to the last mark."""
+    todo, out, total = sorted(set(marks)), {}, 0
+    i = 0
+    for order_key, key in rows:
+        while i < len(todo) and order_key > todo[i]:
+            out[todo[i]] = total % DIGEST_MOD
+            i += 1
+        if i == len(todo):
+            break
+        total += row_hash(order_key, key)
+    for mark in todo[i:]:
+        out[mark] = total % DIGEST_MOD
+    return out
 
 
 class CohortMemory:
@@ -52,7 +65,7 @@ class CohortMemory:
         self.gamma = gamma
         self.watermark = ""
         self.fed = 0
-        self.history = 0          # history_digest of every row fed so far (None: a checkpoint from before it)
+        self.history = 0          # the digest of every row fed so far (None: a checkpoint from before it)
 
     @property
     def memory(self) -> SVMemory:
@@ -99,6 +112,12 @@ class CohortMemory:
     def saved_watermark(directory: Path) -> str:
         """The watermark of a saved memory, from its metadata alone (no solver state is loaded)."""
         return json.loads((Path(directory) / "meta.json").read_text())["watermark"]
+
+    @staticmethod
+    def saved_history(directory: Path) -> int | None:
+        """The history digest of a saved memory, from its metadata alone (None: a memory from before it)."""
+        h = json.loads((Path(directory) / "meta.json").read_text()).get("history")
+        return None if h is None else int(h, 16)
 
     @classmethod
     def load(cls, directory: Path) -> CohortMemory:

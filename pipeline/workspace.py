@@ -20,9 +20,10 @@ class Workspace:
     results = property(lambda self: self.root / "results" / "per_stay.parquet")
     labels = property(lambda self: self.root / "labels")                # MEDS label files of the last run
     stay_memories = property(lambda self: self.root / "memories" / "stays")
-    cohort_checkpoints = property(lambda self: self.root / "memories" / "cohort" / "checkpoints")
-    # the cohort memory as it was part way through a feed: where a replay deletion starts from
-    cohort_snapshots = property(lambda self: self.root / "memories" / "cohort" / "snapshots")
+    cohort_memories = property(lambda self: self.root / "memories" / "cohort")
+    cohort_checkpoints = property(lambda self: self.cohort_memories / "checkpoints")
+    # the cohort memory as it was part way through a feed: where a replay deletion or a rebuild starts from
+    cohort_snapshots = property(lambda self: self.cohort_memories / "snapshots")
     encoder = property(lambda self: self.root / "models" / "encoder.pt")  # learned event keys
     report_html = property(lambda self: self.root / "report.html")
     report_json = property(lambda self: self.root / "report.json")

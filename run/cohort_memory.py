@@ -14,7 +14,7 @@ from cohorts.definitions import workspace_config
 from cohorts.stream_mode import StreamMode
 from cohorts.streams import CohortStream, cohort_stream, hour_token_names
 from cohorts.tokens import TokenScaling, declared_scaling
-from memory.cohort import DIGEST_MOD, CohortMemory, history_digest, row_hash
+from memory.cohort import CohortMemory, prefix_digests
 from pipeline.keys import EventKeyer
 from pipeline.privacy import store_key
 
@@ -135,14 +135,16 @@ class CohortRows:
         return OrderedTokens(self.ws, self.index, self.cfg, self.scaler, hour_token_names(self.key), after=after,
                              upto=upto, exclude_subjects=exclude)
 
-    def history(self, upto: str) -> int:
-        """The digest of the rows up to order key ``upto`` (what a checkpoint records of what it was fed)."""
+    def histories(self, marks: list[str]) -> dict[str, int]:
+        """The digest of the rows up to each order key of ``marks`` (what a saved memory records of what it was
+        fed), in one pass up to the last."""
+        if not marks:
+            return {}
         if not self.hourly:
-            return history_digest(self.events.order_keys, self.events.keys, upto)
-        total = 0
-        for b in self._ordered(upto=upto).batches():
-            total += sum(row_hash(o, k) for o, k in zip(b.order_keys, b.keys))
-        return total % DIGEST_MOD
+            rows = zip(self.events.order_keys, self.events.keys)
+        else:
+            rows = ((o, k) for b in self._ordered(upto=max(marks)).batches() for o, k in zip(b.order_keys, b.keys))
+        return prefix_digests(rows, marks)
 
     def feed(self, mem: CohortMemory, on_fed: Callable | None = None, upto: str | None = None,
              exclude: frozenset = frozenset(), snapshots: SnapshotWriter | None = None) -> None:
@@ -177,13 +179,11 @@ class CohortRows:
         return own.order_keys, own.keys
 
 
-def _unchanged_base(ckpts: list[Path], rows: CohortRows) -> tuple:
-    """The latest checkpoint whose fed history is still the store's history up to its watermark (None: none)."""
-    for c in reversed(ckpts):
-        cm = CohortMemory.load(c)
-        if cm.history is not None and rows.history(cm.watermark) == cm.history:
-            return c, cm
-    return None, None
+def _unchanged_base(saved: list[Path], digests: dict[str, int]) -> Path | None:
+    """The saved memory (checkpoint or snapshot) with the latest watermark whose fed history is still the store's
+    history up to it (None: none)."""
+    unchanged = [s for s in saved if CohortMemory.saved_history(s) == digests[CohortMemory.saved_watermark(s)]]
+    return max(unchanged, key=CohortMemory.saved_watermark, default=None)
 
 
 def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget: int = 128,
@@ -206,13 +206,21 @@ def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget:
     rows = CohortRows(ws, tokens, scaler, cfg)
     history = ({"checked": mem.history is not None, "changed_before_watermark": False} if same else
                {"checked": False, "new_memory": True})
-    if same and mem.history is not None and rows.history(mem.watermark) != mem.history:
-        base, base_mem = _unchanged_base(same[:-1], rows)
-        history = {"checked": True, "changed_before_watermark": True,
-                   "rebuilt_from": base.name if base else "empty memory"}
-        mem = base_mem or CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu)
-        for stale in ws.snapshots():     # fed rows that are no longer the store's: no snapshot is a base now
-            shutil.rmtree(stale)
+    if same and mem.history is not None:
+        # one pass over the store's rows gives the digest at every saved memory's watermark: whether the
+        # latest is unchanged and, if not, the latest base that is (a pass per checkpoint grew with the nights)
+        saved = [s for s in [*same[:-1], *ws.snapshots()]
+                 if checkpoint_tokens(s) is tokens and CohortMemory.saved_history(s) is not None]
+        digests = rows.histories([mem.watermark, *map(CohortMemory.saved_watermark, saved)])
+        if digests[mem.watermark] != mem.history:
+            base = _unchanged_base(saved, digests)
+            history = {"checked": True, "changed_before_watermark": True, "rebuilt_from":
+                       "empty memory" if base is None else str(base.relative_to(ws.cohort_memories))}
+            mem = (CohortMemory.load(base) if base is not None else
+                   CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu))
+            for stale in ws.snapshots():     # fed rows that are no longer the store's: not a base any more
+                if CohortMemory.saved_history(stale) != digests.get(CohortMemory.saved_watermark(stale)):
+                    shutil.rmtree(stale)
     fed_before = mem.fed
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"

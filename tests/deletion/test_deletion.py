@@ -86,15 +86,17 @@ def test_a_broken_log_is_never_appended_to(plain_ws, tmp_path):
     assert any(scan_subject(ws, subjects[1])[0].values())       # nothing was deleted
 
 
-def _append_late_rows(ws):
-    """Chart rows dated inside an early stay but arriving after the memory was fed (a late-charted batch)."""
+def _append_late_rows(ws, at=0.0):
+    """Chart rows dated inside an early stay (``at``: that far into the cohort's chart rows in time) but arriving
+    after the memory was fed (a late-charted batch)."""
     import gzip
     path = ws.source / "icu" / "chartevents.csv.gz"
     lines = gzip.decompress(path.read_bytes()).decode().splitlines()
     head = lines[0].split(",")
     t, v, st = head.index("charttime"), head.index("valuenum"), head.index("stay_id")
     cohort = {str(s) for s in build_cohort(ws.store, load_config())["stay_id"]}
-    rows = sorted((f for f in (r.split(",") for r in lines[1:]) if f[st] in cohort), key=lambda f: f[t])[:5]
+    rows = sorted((f for f in (r.split(",") for r in lines[1:]) if f[st] in cohort), key=lambda f: f[t])
+    rows = rows[int(at * len(rows)):][:5]
     for f in rows:
         f[v] = f"{float(f[v] or 0) + 0.5:g}"          # a new content hash: a new row, not a repeat
     path.write_bytes(gzip.compress(("\n".join(lines + [",".join(f) for f in rows]) + "\n").encode()))
@@ -115,6 +117,35 @@ def test_rows_arriving_late_rebuild_the_cohort_memory_as_if_they_had_come_in_ord
     _, keys, ids, order, _ = cohort_stream(ws.store, load_config(), "events", load_key(),
                                            scaler=load_scaler(ws.checkpoints()[-1]))
     assert sum(o <= watermark for o in order) > 0
+    fresh = CohortMemory(budget=24, gamma=rebuilt.gamma)
+    fresh.feed(keys, ids, order)
+    assert rebuilt.memory.state_digest() == fresh.memory.state_digest() and rebuilt.history == fresh.history
+
+
+def test_rows_arriving_late_near_the_end_rebuild_from_the_latest_unchanged_snapshot(plain_ws, tmp_path,
+                                                                                     monkeypatch):
+    from run.cohort_memory import load_scaler
+    from cohorts.streams import cohort_stream
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    shutil.rmtree(ws.cohort_memories)
+    monkeypatch.setattr("run.cohort_memory.FEED_BLOCK", 64)              # snapshots every 1/16 of the feed
+    monkeypatch.setattr("run.cohort_memory.SNAPSHOT_MIN_TOKENS", 64)
+    update_cohort_memory(ws, budget=24, tokens="events")
+    update_cohort_memory(ws, budget=24, tokens="events")                   # a second checkpoint, same history
+    before = {s: CohortMemory.saved_watermark(s) for s in ws.snapshots()}
+    assert len(before) >= 8
+    _append_late_rows(ws, at=0.85)
+    assert extract(ws.source, ws.store, key=load_key(ws.root)).new_events == 5
+    _, keys, ids, order, _ = cohort_stream(ws.store, load_config(), "events", load_key(),
+                                           scaler=load_scaler(ws.checkpoints()[-1]))
+    info = update_cohort_memory(ws, budget=24, tokens="events")
+    assert info["history"]["changed_before_watermark"]
+    base = ws.cohort_memories / info["history"]["rebuilt_from"]
+    assert base.parent.parent == ws.cohort_snapshots and info["fed"] < len(order) // 4
+    # the snapshots fed only rows before the late ones stay bases; the later ones are gone
+    kept = [s for s in before if s.exists()]
+    assert base in kept and all(before[s] <= before[base] for s in kept) and len(kept) < len(before)
+    rebuilt = CohortMemory.load(ws.checkpoints()[-1])
     fresh = CohortMemory(budget=24, gamma=rebuilt.gamma)
     fresh.feed(keys, ids, order)
     assert rebuilt.memory.state_digest() == fresh.memory.state_digest() and rebuilt.history == fresh.history

@@ -155,6 +155,22 @@ def test_a_block_of_keys_checked_at_once_feeds_the_memory_as_keys_checked_one_by
         block.feed(keys[:, :3], ids, [f"x{i}" for i in range(300)])
 
 
+def test_the_history_digests_at_many_marks_in_one_pass_equal_each_prefix_summed_alone():
+    from memory.cohort import DIGEST_MOD, CohortMemory, prefix_digests, row_hash
+    rng = np.random.default_rng(3)
+    keys = rng.normal(size=(200, 3))
+    order = sorted(f"{int(t):04d}|{i}" for i, t in enumerate(rng.integers(0, 500, 200)))
+    marks = ["", "0000", order[0], order[57], order[57], order[-1], "9999", f"{order[120]}~"]
+    got = prefix_digests(iter(zip(order, keys)), marks)
+    assert set(got) == set(marks)
+    for mark in marks:
+        assert got[mark] == sum(row_hash(o, k) for o, k in zip(order, keys) if o <= mark) % DIGEST_MOD
+    fed = CohortMemory(budget=16)
+    fed.feed(keys[:58], [f"s:{i}" for i in range(58)], order[:58])
+    assert got[order[57]] == fed.history          # what a memory fed up to the mark records
+    assert prefix_digests(iter([]), ["a"]) == {"a": 0}
+
+
 def test_removing_the_last_token_is_refused():
     mem = SVMemory(C=1.0)
     t = mem.add([0.0])
