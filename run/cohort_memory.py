@@ -34,6 +34,9 @@ FEED_BLOCK = 2048                    # tokens fed between progress reports
 SNAPSHOTS_PER_FEED = 16              # a feed saves the memory this many times at most (replay bases)
 SNAPSHOT_MIN_TOKENS = 4 * FEED_BLOCK # and never more often than this
 SNAPSHOTS_KEPT = 64                  # the newest snapshots kept (each is one budgeted memory, ~100 KB)
+# the newest checkpoints kept per stream mode: a deletion rewrites every checkpoint fed the patient, so with
+# one checkpoint a night and none pruned its cost grew with the nights; snapshots are the rebuild bases
+CHECKPOINTS_KEPT = 8
 
 
 def checkpoint_tokens(ckpt: Path) -> StreamMode:
@@ -229,6 +232,8 @@ def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget:
     mem.save(target)
     save_scaler(rows.scaler, target, tokens)
     for old in ws.snapshots()[:-SNAPSHOTS_KEPT]:
+        shutil.rmtree(old)
+    for old in [c for c in ws.checkpoints() if checkpoint_tokens(c) is tokens][:-CHECKPOINTS_KEPT]:
         shutil.rmtree(old)
     return memory_info(mem, target.name, tokens, mem.fed - fed_before, history)
 

@@ -151,6 +151,21 @@ def test_rows_arriving_late_near_the_end_rebuild_from_the_latest_unchanged_snaps
     assert rebuilt.memory.state_digest() == fresh.memory.state_digest() and rebuilt.history == fresh.history
 
 
+def test_nightly_runs_keep_the_newest_checkpoints_of_a_stream_mode_only(plain_ws, tmp_path, monkeypatch):
+    from run.cohort_memory import checkpoint_tokens
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    monkeypatch.setattr("run.cohort_memory.CHECKPOINTS_KEPT", 3)
+    first = ws.checkpoints()
+    state = CohortMemory.load(first[-1]).memory.state_digest()
+    for _ in range(4):
+        update_cohort_memory(ws, budget=24, tokens="events")
+    kept = ws.checkpoints()
+    assert len(kept) == 3 and not any(c.exists() for c in first)
+    assert CohortMemory.load(kept[-1]).memory.state_digest() == state
+    update_cohort_memory(ws, budget=24, tokens="hourly")        # the other mode's history is its own
+    assert [checkpoint_tokens(c).value for c in ws.checkpoints()] == ["events"] * 3 + ["hourly"]
+
+
 @pytest.mark.parametrize("mode", ["decrement", "replay"])
 def test_after_a_deletion_the_next_run_finds_the_history_unchanged(plain_ws, tmp_path, mode):
     ws = copy_ws(plain_ws, tmp_path / "ws")
