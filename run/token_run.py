@@ -32,8 +32,8 @@ from cohorts.characteristics import death_stays, describe_cohort
 from cohorts.definitions import build_cohort, deterioration_hours, rare_from_counts
 from cohorts.protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on,
                                token_streams)
-from cohorts.stay_chunks import (StayChunk, chunk_events, chunk_scan, code_digest, in_windows, plan_chunks,
-                                 stay_digests)
+from cohorts.stay_chunks import (StayChunk, chunk_digests, chunk_events, chunk_scan, code_digest, in_windows,
+                                 plan_chunks, stay_digests)
 from cohorts.tokens import TokenScaling, check_scaling, declared_scaling, filled_tokens, reading_spec, threshold_expr
 from pipeline.extract import store_codes
 from pipeline.extract_rules import sql_literal
@@ -87,11 +87,11 @@ def _load_index(ws: Workspace, shard: int) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _save_index(ws: Workspace, shard: int, fingerprint: str, keys: dict[str, str]) -> None:
+def _save_index(ws: Workspace, shard: int, fingerprint: str, keys: dict[str, str], cfg_key: str) -> None:
     p = _index_path(ws, shard)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "keys": keys}))
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "keys": keys, "config": cfg_key}))
     tmp.replace(p)
 
 
@@ -162,17 +162,20 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
                 on_chunk(rows.height)
         else:
             shard_keys = {}
+            # a shard computed before under this config and code (late rows, new patients) mostly keeps its
+            # stays: their digests from the columns they read, then whole events for the changed stays only
+            light = index.get("config") == cfg_key and bool(present)
             for chunk in plan_chunks(rows, sharding, chunk_stays):
-                events = chunk_events(store, chunk)
-                digests = stay_digests(events, chunk.stays)
+                events = None if light else chunk_events(store, chunk)
+                digests = chunk_digests(store, chunk) if light else stay_digests(events, chunk.stays)
                 keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
                 shard_keys.update(keys)
                 todo = {s: k for s, k in keys.items() if k not in present}
                 if todo:     # appended chunk by chunk: a shard's new facts are never gathered
                     mine = pl.Series(list(todo), dtype=pl.Int64).implode()
                     part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
-                    for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo, cfg,
-                                                    spec, names).items():
+                    events = chunk_events(store, part) if light else events.filter(pl.col("stay_id").is_in(mine))
+                    for kind, frame in _chunk_facts(events, part, todo, cfg, spec, names).items():
                         caches[kind].append(shard, [frame])
                     computed += len(todo)
                 if on_chunk is not None:
@@ -180,7 +183,7 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
         wanted = set(shard_keys.values())
         for cache in caches.values():
             cache.update(shard, wanted)
-        _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])))
+        _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])), cfg_key)
         keys_all.update(shard_keys)
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
     return StayIndex(cohort.with_columns(key_col), sharding, computed={"tokens": computed})
