@@ -243,13 +243,15 @@ def fit_scaling(ws: Workspace, index: StayIndex, names: list[str]) -> TokenScali
 
 
 def labelled_shard(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: int,
-                   split: str | None = None) -> pl.DataFrame:
-    """The labelled, imputed tokens of one shard's cohort stays (of ``split`` only when given), in stay and
-    hour order: the frame :func:`cohorts.tokens.label_tokens` gives for those stays."""
+                   split: str | None = None, stay_ids: list[int] | None = None) -> pl.DataFrame:
+    """The labelled, imputed tokens of one shard's cohort stays (of ``split`` only, and of ``stay_ids`` only,
+    when given), in stay and hour order: the frame :func:`cohorts.tokens.label_tokens` gives for those stays."""
     hours_per_bin = cfg.bin_hours
     rows = index.shard_rows(shard)
     if split is not None:
         rows = rows.filter(pl.col("split") == split)
+    if stay_ids is not None:
+        rows = rows.filter(pl.col("stay_id").is_in(pl.Series(stay_ids, dtype=pl.Int64).implode()))
     tokens = StayCache(ws, "tokens").read(shard, rows["key"].to_list())
     if tokens is None or rows.height == 0:
         return pl.DataFrame()
@@ -416,10 +418,51 @@ class ScoringPlan:
     memory_budget: int | None
     fraction_cap: int | None
 
-    def key(self, index: StayIndex, cfg: CohortConfig, stream: TokenStream) -> str:
-        return _digest(stream_digest(stream), index.settings.nu, index.settings.sigma,
+    def key(self, index: StayIndex, cfg: CohortConfig, digest: str) -> str:
+        """The score key of a stream whose :func:`stream_digest` is ``digest``."""
+        return _digest(digest, index.settings.nu, index.settings.sigma,
                        asdict(cfg.fixed_context), list(self.budgets), list(self.fractions),
                        self.memory_budget, self.fraction_cap, code_digest())
+
+
+NO_STREAM = ""     # a stay whose labelled tokens give no stream (the streams cache records that too)
+
+
+def _stream_digests(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: int, rows: pl.DataFrame
+                    ) -> tuple[dict[int, str], Callable, int]:
+    """Per evaluation stay of ``rows`` (one shard's) its :func:`stream_digest` (NO_STREAM: it has no stream),
+    from the ``streams`` cache, keyed by the stay's rare key (its rows, config, code and rare vocabulary) and the
+    token scaling: what its labelled stream is built from. A stream is built only for a stay missing there, so
+    a night's run builds the changed stays' streams, not the cohort's. Returns the digests, ``build(stay_ids)``,
+    those stays' streams (built once), and how many stays' streams were built for their digest."""
+    cache = StayCache(ws, "streams")
+    scaling = _digest(index.scaling.as_dict())
+    keys = {sid: _digest(rk, scaling) for sid, rk in zip(rows["stay_id"].to_list(), rows["rare_key"].to_list())}
+    known = cache.read(shard, set(keys.values()))
+    known = {} if known is None else dict(zip(known["key"].to_list(), known["digest"].to_list()))
+    digests = {sid: known[k] for sid, k in keys.items() if k in known}
+    missing = [sid for sid in keys if sid not in digests]
+    built = {}
+
+    def streams(stay_ids: list[int]) -> list[TokenStream]:
+        out = token_streams(labelled_shard(ws, index, cfg, shard, split="eval", stay_ids=stay_ids), index.scaling,
+                            cfg, split="eval") if stay_ids else []
+        for st in out:
+            built[st.stay_id] = stream_digest(st)
+        return out
+
+    made = streams(missing)
+    digests.update({sid: built.get(sid, NO_STREAM) for sid in missing})
+    cache.update(shard, set(keys.values()), [pl.DataFrame({"key": [keys[sid] for sid in missing],
+                                                           "digest": [digests[sid] for sid in missing]},
+                                                          schema={"key": pl.String, "digest": pl.String})])
+    made = {st.stay_id: st for st in made}
+
+    def build(stay_ids: list[int]) -> list[TokenStream]:
+        out = [made[sid] for sid in stay_ids if sid in made] + streams([sid for sid in stay_ids if sid not in made])
+        return sorted(out, key=lambda st: st.stay_id)
+
+    return digests, build, len(missing)
 
 
 def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: ScoringPlan, batch_stays: int = 2048,
@@ -433,18 +476,25 @@ def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: Sc
     cache = StayCache(ws, "scores")
     batch, score_keys = [], {}
     for shard in index.sharding.shards():
-        tok = labelled_shard(ws, index, cfg, shard, split="eval")
-        if tok.height == 0:
+        rows = index.shard_rows(shard).filter(pl.col("split") == "eval")
+        if rows.height == 0:
             continue
+        digests, build, built = _stream_digests(ws, index, cfg, shard, rows)
+        index.computed["streams"] = index.computed.get("streams", 0) + built
         present = cache.keys(shard)
-        hits = 0
-        for s in token_streams(tok, index.scaling, cfg, split="eval"):
-            s.memory_path = str(ws.stay_memory(s.stay_id, secret))
-            s.score_key = plan.key(index, cfg, s)
-            score_keys[s.stay_id] = s.score_key
-            if s.score_key in present and (plan.memory_budget is None or Path(s.memory_path).exists()):
-                hits += 1
+        hits, todo = 0, []
+        for sid in sorted(digests):
+            if digests[sid] == NO_STREAM:
                 continue
+            score_keys[sid] = plan.key(index, cfg, digests[sid])
+            if score_keys[sid] in present and (plan.memory_budget is None or
+                                               ws.stay_memory(sid, secret).exists()):
+                hits += 1
+            else:
+                todo.append(sid)
+        for s in build(todo):
+            s.memory_path = str(ws.stay_memory(s.stay_id, secret))
+            s.score_key = score_keys[s.stay_id]
             batch.append(s)
             if len(batch) >= batch_stays:
                 yield batch

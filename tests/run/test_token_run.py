@@ -67,9 +67,10 @@ def test_the_chunked_run_equals_the_whole_cohort_in_memory(source, tmp_path):
             assert not any(i.encode() in text for i in ids), f
 
 
-def _with_new_rows(source, tmp_path):
-    """The source of 24 patients grown to 26 (new stays), plus late chart rows for one existing stay."""
-    grown = generate(tmp_path / "grown", GeneratorConfig(n_patients=26))
+def _with_new_rows(source, tmp_path, n_patients=26):
+    """The source of 24 patients grown to ``n_patients`` (new stays), plus late chart rows for one existing
+    stay."""
+    grown = generate(tmp_path / f"grown-{n_patients}", GeneratorConfig(n_patients=n_patients))
     chart = grown / "icu" / "chartevents.csv.gz"
     rows = pl.read_csv(chart, infer_schema=False)
     first_stay = rows["stay_id"][0]
@@ -86,7 +87,8 @@ def test_reruns_recompute_only_what_changed_and_equal_a_fresh_run(source, tmp_pa
     first, _, _ = _run(ws, cfg)
     assert first.computed["tokens"] == first.cohort.height
     again, _, rows_again = _run(ws, cfg)
-    assert again.computed == {"tokens": 0, "rare": 0, "grid": 0, "scores": 0}
+    assert again.computed == {"tokens": 0, "rare": 0, "grid": 0, "streams": 0, "scores": 0}
+    assert rows_again.equals(_run(ws, cfg)[2])
     grown = _with_new_rows(source, tmp_path)
     extract(grown, ws.store, key=load_key())
     later, summary, rows = _run(ws, cfg)
@@ -98,6 +100,18 @@ def test_reruns_recompute_only_what_changed_and_equal_a_fresh_run(source, tmp_pa
     assert rows.equals(fresh_rows)
     assert summary["characteristics"] == fresh_summary["characteristics"]
     assert (later.settings.nu, later.settings.sigma) == (fresh.settings.nu, fresh.settings.sigma)
+
+
+def test_after_late_rows_of_one_stay_only_its_stream_is_built_again(source, tmp_path):
+    cfg = load_config()
+    ws = _workspace(tmp_path, "ws", source)
+    first, _, _ = _run(ws, cfg)
+    late = _with_new_rows(source, tmp_path, n_patients=24)
+    extract(late, ws.store, key=load_key())
+    later, _, rows = _run(ws, cfg)
+    assert later.computed["tokens"] == 1 and later.computed["streams"] <= 1
+    assert first.computed["streams"] == int((first.cohort["split"] == "eval").sum())
+    assert rows.equals(_run(_workspace(tmp_path, "fresh", late), cfg)[2])
 
 
 def _one_matrix_bootstrap(x, n_boot=10_000, seed=0):
