@@ -437,8 +437,9 @@ def _at_a_glance(result: RunResult, declared: dict) -> str:
     else:       # a result without the cohort table (events mode): the stream counts
         cohort_words = (f'{html.escape(str(cohort.get("stays", "?")))} ICU stays; '
                         f'{html.escape(str(cohort.get("eval_stays", "?")))} in the evaluation split are scored')
-    return (f'<section id="at-a-glance"><p class="glance"><b>Dataset</b> {html.escape(name)} '
-            f'<small>({html.escape(source)})</small> &middot; <b>run</b> {html.escape(str(meta.get("generated_at")))}'
+    where = f' <small>({html.escape(source)})</small>' if source != name else ""   # the full path, when a path
+    return (f'<section id="at-a-glance"><p class="glance"><b>Dataset</b> {html.escape(name)}{where} '
+            f'&middot; <b>run</b> {html.escape(str(meta.get("generated_at")))}'
             f' &middot; <b>cohort</b> {cohort_words} &middot; <b>stream</b> {mode}</p>'
             f'<p class="finding"><b>Primary finding.</b> {_lead_sentence(summary, paired, declared)}</p></section>')
 
