@@ -433,8 +433,8 @@ def _stream_digests(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: i
     """Per evaluation stay of ``rows`` (one shard's) its :func:`stream_digest` (NO_STREAM: it has no stream),
     from the ``streams`` cache, keyed by the stay's rare key (its rows, config, code and rare vocabulary) and the
     token scaling: what its labelled stream is built from. A stream is built only for a stay missing there, so
-    a night's run builds the changed stays' streams, not the cohort's. Returns the digests, ``build(stay_ids)``,
-    those stays' streams (built once), and how many stays' streams were built for their digest."""
+    a night's run builds the changed stays' streams, not the cohort's. Returns the digests, ``streams(stay_ids)``,
+    those stays' streams (each built once), and how many stays' streams were built for their digest."""
     cache = StayCache(ws, "streams")
     scaling = _digest(index.scaling.as_dict())
     keys = {sid: _digest(rk, scaling) for sid, rk in zip(rows["stay_id"].to_list(), rows["rare_key"].to_list())}
@@ -442,27 +442,22 @@ def _stream_digests(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: i
     known = {} if known is None else dict(zip(known["key"].to_list(), known["digest"].to_list()))
     digests = {sid: known[k] for sid, k in keys.items() if k in known}
     missing = [sid for sid in keys if sid not in digests]
-    built = {}
 
-    def streams(stay_ids: list[int]) -> list[TokenStream]:
-        out = token_streams(labelled_shard(ws, index, cfg, shard, split="eval", stay_ids=stay_ids), index.scaling,
-                            cfg, split="eval") if stay_ids else []
-        for st in out:
-            built[st.stay_id] = stream_digest(st)
-        return out
+    def build(stay_ids: list[int]) -> list[TokenStream]:
+        return token_streams(labelled_shard(ws, index, cfg, shard, split="eval", stay_ids=stay_ids), index.scaling,
+                             cfg, split="eval") if stay_ids else []
 
-    made = streams(missing)
-    digests.update({sid: built.get(sid, NO_STREAM) for sid in missing})
+    made = {st.stay_id: st for st in build(missing)}
+    digests.update({sid: stream_digest(made[sid]) if sid in made else NO_STREAM for sid in missing})
     cache.update(shard, set(keys.values()), [pl.DataFrame({"key": [keys[sid] for sid in missing],
                                                            "digest": [digests[sid] for sid in missing]},
                                                           schema={"key": pl.String, "digest": pl.String})])
-    made = {st.stay_id: st for st in made}
 
-    def build(stay_ids: list[int]) -> list[TokenStream]:
-        out = [made[sid] for sid in stay_ids if sid in made] + streams([sid for sid in stay_ids if sid not in made])
+    def streams(stay_ids: list[int]) -> list[TokenStream]:
+        out = [made[sid] for sid in stay_ids if sid in made] + build([sid for sid in stay_ids if sid not in made])
         return sorted(out, key=lambda st: st.stay_id)
 
-    return digests, build, len(missing)
+    return digests, streams, len(missing)
 
 
 def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: ScoringPlan, batch_stays: int = 2048,
