@@ -189,10 +189,15 @@ def test_kills_at_random_moments_of_a_deletion_leave_the_full_old_or_new_state(w
     duration = float(probe.stdout.readline())
     assert probe.wait(timeout=120) == 0
     rng, outcomes = random.Random(7), []
-    for trial in range(24):
+    # one kill in each 24th of 1.2x the probe's duration, at a random moment there; on a machine that got slower
+    # than the probe (every kill landed before the commit, once in a full suite), 8 more over 1.2x to 2.4x
+    moments = [(k + rng.random()) / 24 * 1.2 for k in range(24)]
+    for trial in range(32):
+        if trial == 24 and "new" in outcomes:
+            break
         ws = copy_ws(base, tmp_path / f"trial{trial}")
         proc = _deletion_process(ws, sid)
-        time.sleep(rng.uniform(0.0, 1.2 * duration))
+        time.sleep(duration * (moments[trial] if trial < 24 else 1.2 + (trial - 24 + rng.random()) / 8 * 1.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         settle(ws.root)
