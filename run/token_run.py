@@ -208,12 +208,26 @@ def _rare_vocabulary(ws: Workspace, index: StayIndex, cfg: CohortConfig) -> None
     index.rare, index.rare_threshold = rare_from_counts(train, every, cfg)
 
 
+def _rare_keys(ws: Workspace, index: StayIndex) -> pl.Series:
+    """Per cohort stay its rare key: its content key and the rare codes among its own (the cached per-stay
+    code counts). A stay's rare hours are read from its events of those codes only, so the key, its cached
+    hours and its stream's digest stay the same when a night's patients change the vocabulary in codes the
+    stay does not hold (a key of the whole vocabulary changed every stay's)."""
+    codes = StayCache(ws, "codes").scan()
+    held = {}
+    if codes is not None and index.rare:
+        rare = pl.Series(sorted(index.rare), dtype=pl.String).implode()
+        frame = (codes.filter(pl.col("code").is_in(rare)).join(index.cohort.select("key").lazy(), on="key")
+                 .group_by("key").agg(pl.col("code").unique().sort()).collect(engine="streaming"))
+        held = dict(zip(frame["key"].to_list(), frame["code"].to_list()))
+    return pl.Series("rare_key", [_digest(k, held.get(k, [])) for k in index.cohort["key"].to_list()],
+                     dtype=pl.String)
+
+
 def _rare_hours(ws: Workspace, index: StayIndex, chunk_stays: int) -> None:
-    """Phase 2a: per stay the hours holding a rare code, cached under the stay's key and the vocabulary."""
+    """Phase 2a: per stay the hours holding a rare code, cached under the stay's rare key."""
     cache = StayCache(ws, "rare")
-    vocab = _digest(sorted(index.rare))
-    index.cohort = index.cohort.with_columns(
-        pl.col("key").map_elements(lambda k: _digest(k, vocab), return_dtype=pl.String).alias("rare_key"))
+    index.cohort = index.cohort.with_columns(_rare_keys(ws, index))
     rare = pl.Series(sorted(index.rare), dtype=pl.String).implode()
     computed = 0
     for shard in index.sharding.shards():
@@ -431,7 +445,7 @@ NO_STREAM = ""     # a stay whose labelled tokens give no stream (the streams ca
 def _stream_digests(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: int, rows: pl.DataFrame
                     ) -> tuple[dict[int, str], Callable, int]:
     """Per evaluation stay of ``rows`` (one shard's) its :func:`stream_digest` (NO_STREAM: it has no stream),
-    from the ``streams`` cache, keyed by the stay's rare key (its rows, config, code and rare vocabulary) and the
+    from the ``streams`` cache, keyed by the stay's rare key (its rows, config, code and rare codes) and the
     token scaling: what its labelled stream is built from. A stream is built only for a stay missing there, so
     a night's run builds the changed stays' streams, not the cohort's. Returns the digests, ``streams(stay_ids)``,
     those stays' streams (each built once), and how many stays' streams were built for their digest."""

@@ -91,6 +91,12 @@ def test_the_store_is_a_valid_meds_dataset(ws):
     for shard in shard_files(ws.store):            # MEDS: a subject in one shard, contiguous and in time order
         frame = pl.read_parquet(shard)
         assert frame.equals(frame.sort("subject_id", "time", "code", "event_hash", "occurrence"))
+        # the random event hashes are written plain and uncompressed (nothing to gain, a write's time to lose)
+        columns = pq.ParquetFile(shard).metadata.row_group(0)
+        chunks = {columns.column(i).path_in_schema: columns.column(i) for i in range(columns.num_columns)}
+        assert chunks["event_hash"].compression == "UNCOMPRESSED"
+        assert not any("DICTIONARY" in e for e in chunks["event_hash"].encodings)
+        assert chunks["code"].compression == "SNAPPY" and any("DICTIONARY" in e for e in chunks["code"].encodings)
     codes = pl.read_parquet(ws.store / meds.code_metadata_filepath)
     assert codes["code"].n_unique() == codes.height and codes["count"].sum() == scan_events(ws.store).select(
         pl.len()).collect().item()

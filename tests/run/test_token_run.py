@@ -95,6 +95,11 @@ def test_reruns_recompute_only_what_changed_and_equal_a_fresh_run(source, tmp_pa
     new_stays = later.cohort.height - first.cohort.height
     assert new_stays > 0
     assert new_stays < later.computed["tokens"] < later.cohort.height     # the new stays and the late rows' stay
+    # the new patients change the rare vocabulary; only the stays holding a changed code, or changed rows, get
+    # their rare hours and streams again
+    assert later.rare != first.rare
+    assert later.computed["rare"] < later.cohort.height
+    assert later.computed["streams"] < int((later.cohort["split"] == "eval").sum())
     fresh_ws = _workspace(tmp_path, "fresh", grown)
     fresh, fresh_summary, fresh_rows = _run(fresh_ws, cfg)
     assert rows.equals(fresh_rows)
