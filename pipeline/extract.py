@@ -385,7 +385,7 @@ def _suppress(con, suppressed, table: str) -> int:
     return int(n)
 
 
-def _judge(con, out, bucket: int | None, sharding: Sharding) -> None:
+def _judge(con, out, bucket: int | None) -> None:
     """Temp table ``numbered``: every staged event of one shard (``bucket``; None: rows without a subject) with
     its quarantine reason, content hash, occurrence and whether it is new (not already in the store's shard or
     the quarantine). Identical rows share their subject, so numbering them within the shard is numbering them
@@ -405,7 +405,11 @@ def _judge(con, out, bucket: int | None, sharding: Sharding) -> None:
         con.execute("""UPDATE judged SET reason = u.reason FROM unusable_stays u
                        WHERE judged.source_table = 'meds' AND judged.subject_id = u.subject_id
                          AND judged.time = u.intime AND judged.code = u.code AND judged.reason IS NULL""")
-    mine = "subject_id IS NULL" if bucket is None else f"{sharding.sql('subject_id')} = {bucket}"
+    # identical rows share their subject: only the staged subjects' rows can be seen already, and a list of
+    # them skips the other subjects' row groups of the shard and the quarantine (a night touches few subjects)
+    subjects = [int(r[0]) for r in con.execute("SELECT DISTINCT subject_id FROM judged WHERE subject_id IS NOT NULL"
+                                               ).fetchall()]
+    mine = "subject_id IS NULL" if bucket is None else f"subject_id IN ({', '.join(map(str, subjects)) or 'NULL'})"
     seen = [f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(q)}) WHERE {mine}"
             for q in quarantine_files(out)]
     shard = shard_path(out, bucket) if bucket is not None else None
@@ -453,7 +457,7 @@ def _check_and_write(con, out, run_id, staging: Path, suppressed, sharding: Shar
             con.execute(f"CREATE TEMP TABLE staged AS SELECT {', '.join(STAGED_COLUMNS)} "
                         f"FROM read_parquet([{files}], hive_partitioning=false)")
             dropped += _suppress(con, suppressed, "staged")
-            _judge(con, out, bucket, sharding)
+            _judge(con, out, bucket)
             new += _write_new(con, out, bucket)
             con.execute("DROP TABLE staged")
             con.execute("DROP TABLE numbered")
