@@ -138,16 +138,17 @@ class CohortRows:
         return OrderedTokens(self.ws, self.index, self.cfg, self.scaler, hour_token_names(self.key), after=after,
                              upto=upto, exclude_subjects=exclude)
 
-    def histories(self, marks: list[str]) -> dict[str, int]:
-        """The digest of the rows up to each order key of ``marks`` (what a saved memory records of what it was
-        fed), in one pass up to the last."""
-        if not marks:
+    def histories(self, saved: dict[str, set[int]]) -> dict[str, int]:
+        """The digest of the rows up to each order key of ``saved`` (watermark -> the digests saved memories
+        record at it: what they were fed), in one pass, which stops at the first mark whose rows' digest is none
+        of those saved (the rows after it are re-fed, not hashed twice)."""
+        if not saved:
             return {}
         if not self.hourly:
-            rows = zip(self.events.order_keys, self.events.keys)
+            blocks = [(self.events.order_keys, self.events.keys)]
         else:
-            rows = ((o, k) for b in self._ordered(upto=max(marks)).batches() for o, k in zip(b.order_keys, b.keys))
-        return prefix_digests(rows, marks)
+            blocks = ((b.order_keys, b.keys) for b in self._ordered(upto=max(saved)).batches(names=False))
+        return prefix_digests(blocks, saved, saved)
 
     def feed(self, mem: CohortMemory, on_fed: Callable | None = None, upto: str | None = None,
              exclude: frozenset = frozenset(), snapshots: SnapshotWriter | None = None) -> None:
@@ -184,8 +185,8 @@ class CohortRows:
 
 def _unchanged_base(saved: list[Path], digests: dict[str, int]) -> Path | None:
     """The saved memory (checkpoint or snapshot) with the latest watermark whose fed history is still the store's
-    history up to it (None: none)."""
-    unchanged = [s for s in saved if CohortMemory.saved_history(s) == digests[CohortMemory.saved_watermark(s)]]
+    history up to it, among those ``digests`` reach (None: none)."""
+    unchanged = [s for s in saved if CohortMemory.saved_history(s) == digests.get(CohortMemory.saved_watermark(s))]
     return max(unchanged, key=CohortMemory.saved_watermark, default=None)
 
 
@@ -210,18 +211,22 @@ def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget:
     history = ({"checked": mem.history is not None, "changed_before_watermark": False} if same else
                {"checked": False, "new_memory": True})
     if same and mem.history is not None:
-        # one pass over the store's rows gives the digest at every saved memory's watermark: whether the
-        # latest is unchanged and, if not, the latest base that is (a pass per checkpoint grew with the nights)
+        # one pass over the store's rows gives the digest at every saved memory's watermark up to the first
+        # that changed: whether the latest is unchanged and, if not, the latest base before the change (a pass
+        # per checkpoint grew with the nights; a pass to the end hashed again what the rebuild feeds)
         saved = [s for s in [*same[:-1], *ws.snapshots()]
                  if checkpoint_tokens(s) is tokens and CohortMemory.saved_history(s) is not None]
-        digests = rows.histories([mem.watermark, *map(CohortMemory.saved_watermark, saved)])
-        if digests[mem.watermark] != mem.history:
+        held = {mem.watermark: {mem.history}}
+        for s in saved:
+            held.setdefault(CohortMemory.saved_watermark(s), set()).add(CohortMemory.saved_history(s))
+        digests = rows.histories(held)
+        if digests.get(mem.watermark) != mem.history:
             base = _unchanged_base(saved, digests)
             history = {"checked": True, "changed_before_watermark": True, "rebuilt_from":
                        "empty memory" if base is None else str(base.relative_to(ws.cohort_memories))}
             mem = (CohortMemory.load(base) if base is not None else
                    CohortMemory(budget=mem.policy.budget, gamma=mem.gamma, nu=mem.policy.nu))
-            for stale in ws.snapshots():     # fed rows that are no longer the store's: not a base any more
+            for stale in ws.snapshots():     # fed rows that are no longer the store's (or past the change)
                 if CohortMemory.saved_history(stale) != digests.get(CohortMemory.saved_watermark(stale)):
                     shutil.rmtree(stale)
     fed_before = mem.fed

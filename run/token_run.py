@@ -573,7 +573,7 @@ def write_results(ws: Workspace, index: StayIndex) -> Path:
 class CohortBatch:
     """A block of the cohort's tokens in global time order (the cohort memory's input)."""
     keys: np.ndarray
-    token_ids: list[str]
+    token_ids: list[str] | None      # None: not named (:meth:`OrderedTokens.batches`)
     order_keys: list[str]
     subject_ids: np.ndarray
 
@@ -619,7 +619,9 @@ class OrderedTokens:
         finally:
             con.close()
 
-    def batches(self, batch_rows: int = 65_536) -> Iterator[CohortBatch]:
+    def batches(self, batch_rows: int = 65_536, names: bool = True) -> Iterator[CohortBatch]:
+        """The rows in order, ``batch_rows`` at a time; ``names=False``: without token ids (None), for a pass
+        that only hashes the rows (naming them was half of reading them)."""
         if not self.parts:
             return
         con = self._connect()
@@ -627,7 +629,8 @@ class OrderedTokens:
             for batch in con.sql(f"{self.rows} ORDER BY order_key", params=self.params).to_arrow_reader(batch_rows):
                 frame = self.scaling.impute(pl.from_arrow(batch))
                 subjects = frame["subject_id"].to_numpy()
-                ids = [self.name(int(s), st, h) for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])]
+                ids = [self.name(int(s), st, h) for s, st, h in zip(subjects, frame["stay_id"], frame["hour"])] \
+                    if names else None
                 yield CohortBatch(self.scaling.keys(frame), ids, frame["order_key"].to_list(), subjects)
         finally:
             con.close()

@@ -131,7 +131,7 @@ def test_a_block_of_keys_checked_at_once_feeds_the_memory_as_keys_checked_one_by
     """The cohort memory checks a block of keys once (memory.check_keys) and adds its rows unchecked; the saved
     state, the certified evictions and the history digest (of the keys as given, -0.0 included) equal a feed that
     checks every key."""
-    from memory.cohort import DIGEST_MOD, CohortMemory, row_hash
+    from memory.cohort import DIGEST_MOD, CohortMemory, row_hashes
     rng = np.random.default_rng(7)
     keys = np.round(rng.normal(size=(300, 4)), 1)
     keys[[3, 40, 41]] = keys[[2, 39, 39]]          # duplicate keys
@@ -142,7 +142,7 @@ def test_a_block_of_keys_checked_at_once_feeds_the_memory_as_keys_checked_one_by
     each = CohortMemory(budget=16, gamma=0.5)
     for key, tid, ok in zip(keys, ids, order):
         each.policy.learn_one(key, None, tid)
-        each.history = (each.history + row_hash(ok, key)) % DIGEST_MOD
+        each.history = (each.history + next(row_hashes([ok], np.array([key])))) % DIGEST_MOD
     block.memory.save(tmp_path / "block.npz")
     each.memory.save(tmp_path / "each.npz")
     assert (tmp_path / "block.npz").read_bytes() == (tmp_path / "each.npz").read_bytes()
@@ -155,20 +155,37 @@ def test_a_block_of_keys_checked_at_once_feeds_the_memory_as_keys_checked_one_by
         block.feed(keys[:, :3], ids, [f"x{i}" for i in range(300)])
 
 
+def _row_hash(order_key, key):
+    """A row's digest term as the definition states it: sha256 of the order key's and the fp64 key's bytes."""
+    import hashlib
+    return int.from_bytes(hashlib.sha256(order_key.encode() + np.asarray(key, dtype=np.float64).tobytes())
+                          .digest()[:8], "big")
+
+
 def test_the_history_digests_at_many_marks_in_one_pass_equal_each_prefix_summed_alone():
-    from memory.cohort import DIGEST_MOD, CohortMemory, prefix_digests, row_hash
+    from memory.cohort import DIGEST_MOD, CohortMemory, prefix_digests
     rng = np.random.default_rng(3)
     keys = rng.normal(size=(200, 3))
     order = sorted(f"{int(t):04d}|{i}" for i, t in enumerate(rng.integers(0, 500, 200)))
     marks = ["", "0000", order[0], order[57], order[57], order[-1], "9999", f"{order[120]}~"]
-    got = prefix_digests(iter(zip(order, keys)), marks)
+    blocks = [(order[lo:lo + 33], keys[lo:lo + 33]) for lo in range(0, 200, 33)]
+    got = prefix_digests(blocks, marks)
     assert set(got) == set(marks)
     for mark in marks:
-        assert got[mark] == sum(row_hash(o, k) for o, k in zip(order, keys) if o <= mark) % DIGEST_MOD
+        assert got[mark] == sum(_row_hash(o, k) for o, k in zip(order, keys) if o <= mark) % DIGEST_MOD
     fed = CohortMemory(budget=16)
     fed.feed(keys[:58], [f"s:{i}" for i in range(58)], order[:58])
     assert got[order[57]] == fed.history          # what a memory fed up to the mark records
-    assert prefix_digests(iter([]), ["a"]) == {"a": 0}
+    assert prefix_digests([], ["a"]) == {"a": 0}
+    # told what saved memories hold at each mark, the pass stops at the first mark none of them matches
+    saved = {m: {got[m]} for m in marks}
+    assert prefix_digests(blocks, marks, saved) == got
+    saved[order[57]] = {got[order[57]] + 1, 5}
+    stopped = prefix_digests(blocks, marks, saved)
+    assert stopped == {m: got[m] for m in marks if m <= order[57]}
+    saved[order[57]].add(got[order[57]])            # another memory at that mark holds the digest: no stop
+    saved["9999"] = {0}
+    assert prefix_digests(blocks, marks, saved) == got
 
 
 def test_removing_the_last_token_is_refused():
