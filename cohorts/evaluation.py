@@ -227,7 +227,7 @@ def bootstrap_ci(x: list | np.ndarray, n_boot: int = 10_000, seed: int = 0, leve
 
 def bootstrap_cis(samples: list, n_boot: int = 10_000, seed: int = 0, level: float = 0.95) -> list[tuple]:
     """:func:`bootstrap_ci` of each sample, the same numbers; samples of one size share the cached draws, each
-    block of them read once for all those samples."""
+    block of them read once for all those samples (as the columns of one matrix)."""
     out = [None] * len(samples)
     by_size = {}
     for i, x in enumerate(samples):
@@ -241,19 +241,31 @@ def bootstrap_cis(samples: list, n_boot: int = 10_000, seed: int = 0, level: flo
             by_size.setdefault(len(x), []).append((i, x))
     for n, group in by_size.items():
         blocks = _resample_indices(n, n_boot, seed)
+        X = np.column_stack([x for _, x in group])
 
-        def ci(x: np.ndarray) -> tuple[float, float]:
-            means = np.concatenate([resampled_means(x, block) for block in blocks])
-            lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-            return float(lo), float(hi)
-        for (i, _), bounds in zip(group, _side_by_side(ci, [x for _, x in group])):
-            out[i] = bounds
+        def resampled(cols: slice) -> np.ndarray:
+            block = np.ascontiguousarray(X[:, cols])
+            return np.concatenate([resampled_means(block, b) for b in blocks])
+        means = _by_columns(resampled, X.shape[1])
+        for j, (i, _) in enumerate(group):
+            lo, hi = np.quantile(means[:, j], [(1 - level) / 2, 1 - (1 - level) / 2])
+            out[i] = float(lo), float(hi)
     return out
 
 
+def _by_columns(fn: Callable, n_cols: int) -> np.ndarray:
+    """``fn(columns)`` over blocks of ``n_cols`` columns (slices), one thread per core, joined side by side: the
+    resampling's compiled loops release the GIL, and a column's numbers are the same bits in any block."""
+    blocks = [slice(int(b[0]), int(b[-1]) + 1) for b in np.array_split(np.arange(n_cols),
+                                                                        min(os.cpu_count() or 1, n_cols))]
+    if len(blocks) <= 1:
+        return fn(blocks[0])
+    with ThreadPoolExecutor(max_workers=len(blocks)) as pool:
+        return np.concatenate(list(pool.map(fn, blocks)), axis=-1)
+
+
 def _side_by_side(fn: Callable, items: list) -> list:
-    """``[fn(x) for x in items]``, one thread per core: the resampling's compiled loops release the GIL, so a
-    run's hundreds of independent tests share the machine's cores (each result the same bits as alone)."""
+    """``[fn(x) for x in items]``, one thread per core (each result the same bits as alone)."""
     workers = min(os.cpu_count() or 1, len(items))
     if workers <= 1:
         return [fn(x) for x in items]
@@ -264,17 +276,33 @@ def _side_by_side(fn: Callable, items: list) -> list:
 def sign_flip_p(d: list | np.ndarray, n_perm: int = 10_000, seed: int = 0) -> float:
     """Two-sided sign-flip permutation p-value of a paired mean difference, flips drawn in blocks; its normal
     limit above RESAMPLE_MAX_N differences."""
-    d = np.asarray(d, dtype=np.float64)
-    if len(d) == 0 or np.allclose(d, 0):
-        return 1.0
-    obs = abs(d.mean())
-    if len(d) > RESAMPLE_MAX_N:     # the sign-flip distribution of the mean: normal, sd = sqrt(sum d^2) / n
-        return float(2 * NormalDist().cdf(-obs / (np.sqrt(np.sum(d * d)) / len(d))))
-    hits = 0
-    for flips in _sign_flips(len(d), n_perm, seed):
-        hits += int((np.abs(flipped_means(d, flips)) >= obs - 1e-15).sum())
-    # (count + 1) / (n + 1): a Monte Carlo p-value is never 0
-    return float((hits + 1) / (n_perm + 1))
+    return sign_flip_ps([d], [n_perm], seed)[0]
+
+
+def sign_flip_ps(samples: list, n_perms: list[int], seed: int = 0) -> list[float]:
+    """:func:`sign_flip_p` of each sample under its number of flips, the same numbers; samples of one size and
+    number share the cached flips, each block read once for all of them (as for :func:`bootstrap_cis`)."""
+    out, tested = [None] * len(samples), {}
+    for i, (d, n_perm) in enumerate(zip(samples, n_perms)):
+        d = np.asarray(d, dtype=np.float64)
+        if len(d) == 0 or np.allclose(d, 0):
+            out[i] = 1.0
+        elif len(d) > RESAMPLE_MAX_N:   # the sign-flip distribution of the mean: normal, sd = sqrt(sum d^2) / n
+            out[i] = float(2 * NormalDist().cdf(-abs(d.mean()) / (np.sqrt(np.sum(d * d)) / len(d))))
+        else:
+            tested.setdefault((len(d), n_perm), []).append((i, d))
+    for (n, n_perm), group in tested.items():
+        flips = _sign_flips(n, n_perm, seed)
+        D = np.column_stack([d for _, d in group])
+        obs = np.array([abs(d.mean()) for _, d in group])
+
+        def hits(cols: slice) -> np.ndarray:
+            block, limit = np.ascontiguousarray(D[:, cols]), obs[cols] - 1e-15
+            return sum((np.abs(flipped_means(block, f)) >= limit).sum(0) for f in flips)
+        for (i, _), count in zip(group, _by_columns(hits, D.shape[1])):
+            # (count + 1) / (n + 1): a Monte Carlo p-value is never 0
+            out[i] = float((int(count) + 1) / (n_perm + 1))
+    return out
 
 
 # Events-mode metrics as (label, metric) of the long rows every protocol shares.
@@ -344,11 +372,11 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
             _, i, j = np.intersect1d(ref_stays, stays, assume_unique=True, return_indices=True)
             diffs.append(ref_v[i] - v[j])
             pairs.append(fields)
-    # tests of one size side by side share their cached draws
-    by_size = sorted(range(len(pairs)), key=lambda k: len(diffs[k]))
-    tested = _side_by_side(lambda k: _paired_row(pairs[k], diffs[k], endpoints), by_size)
-    paired = [row for _, row in sorted(zip(by_size, tested), key=lambda kr: kr[0])]
-    cis = bootstrap_cis(values + diffs)     # at once: samples of one size share the resampling's draws
+    paired = _side_by_side(lambda k: _paired_row(pairs[k], diffs[k], endpoints), range(len(pairs)))
+    # at once: tests of one size share the resampling's draws
+    ps = sign_flip_ps(diffs, [endpoints.resamples(r.family) for r in paired])
+    paired = [replace(r, p_value=p) for r, p in zip(paired, ps)]
+    cis = bootstrap_cis(values + diffs)
     summary = [replace(r, ci_low=lo, ci_high=hi) for r, (lo, hi) in zip(summary, cis)]
     paired = [replace(r, ci_low=lo, ci_high=hi) for r, (lo, hi) in zip(paired, cis[len(values):])]
     for family in {r.family for r in paired} - {EXPLORATORY}:
@@ -361,8 +389,7 @@ def aggregate(rows: list | pl.DataFrame | pl.LazyFrame, reference: str = "sv_cer
 def _paired_row(fields: dict, d: np.ndarray, endpoints: Endpoints) -> PairedRow:
     row = PairedRow(**{k: fields[k] for k in GROUP if k != "policy"}, baseline=fields["policy"])
     family = endpoints.family_of(row)
-    return replace(row, mean_diff=float(d.mean()) if len(d) else float("nan"),
-                   p_value=sign_flip_p(d, n_perm=endpoints.resamples(family)), p_wilcoxon=wilcoxon_p(d),
+    return replace(row, mean_diff=float(d.mean()) if len(d) else float("nan"), p_wilcoxon=wilcoxon_p(d),
                    n=int(len(d)), family=family, p_holm=None)
 
 

@@ -15,47 +15,51 @@ _BLOCK = 128  # numpy's PW_BLOCKSIZE: rows longer than this are split in halves
 
 
 @njit(cache=True)
-def _block_sum(x, idx, w, lo, n):
-    """sum of x[idx[i]] * w[i] for i in lo..lo+n-1, n <= 128: numpy's eight partial sums (fewer than 8: in order)."""
+def _block_sums(X, idx, w, lo, n, out, r):
+    """out[g] = sum of X[idx[i], g] * w[i] for i in lo..lo+n-1 (n <= 128), for every column g at once, each in
+    numpy's order: eight partial sums (fewer than 8 values: in order). ``r``: scratch of 8 rows."""
+    cols = X.shape[1]
     if n < 8:
-        res = 0.0
+        for g in range(cols):
+            out[g] = 0.0
         for i in range(lo, lo + n):
-            res += x[idx[i]] * w[i]
-        return res
-    r0, r1 = x[idx[lo]] * w[lo], x[idx[lo + 1]] * w[lo + 1]
-    r2, r3 = x[idx[lo + 2]] * w[lo + 2], x[idx[lo + 3]] * w[lo + 3]
-    r4, r5 = x[idx[lo + 4]] * w[lo + 4], x[idx[lo + 5]] * w[lo + 5]
-    r6, r7 = x[idx[lo + 6]] * w[lo + 6], x[idx[lo + 7]] * w[lo + 7]
+            row, wi = X[idx[i]], w[i]
+            for g in range(cols):
+                out[g] += row[g] * wi
+        return
+    for k in range(8):
+        row, wk = X[idx[lo + k]], w[lo + k]
+        for g in range(cols):
+            r[k, g] = row[g] * wk
     i = lo + 8
     end = lo + n - n % 8
     while i < end:
-        r0 += x[idx[i]] * w[i]
-        r1 += x[idx[i + 1]] * w[i + 1]
-        r2 += x[idx[i + 2]] * w[i + 2]
-        r3 += x[idx[i + 3]] * w[i + 3]
-        r4 += x[idx[i + 4]] * w[i + 4]
-        r5 += x[idx[i + 5]] * w[i + 5]
-        r6 += x[idx[i + 6]] * w[i + 6]
-        r7 += x[idx[i + 7]] * w[i + 7]
+        for k in range(8):
+            row, wk = X[idx[i + k]], w[i + k]
+            for g in range(cols):
+                r[k, g] += row[g] * wk
         i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for g in range(cols):
+        out[g] = ((r[0, g] + r[1, g]) + (r[2, g] + r[3, g])) + ((r[4, g] + r[5, g]) + (r[6, g] + r[7, g]))
     while i < lo + n:
-        res += x[idx[i]] * w[i]
+        row, wi = X[idx[i]], w[i]
+        for g in range(cols):
+            out[g] += row[g] * wi
         i += 1
-    return res
 
 
 @njit(cache=True)
-def _pairwise_sum(x, idx, w, lo, n):
-    """sum of x[idx[i]] * w[i] for i in lo..lo+n-1 in numpy's pairwise order: above 128 values, the sum of the
-    halves (the first half's length a multiple of 8), the first formed first. The recursion runs on an explicit
-    stack: numba's on-disk cache of a self-recursive function crashed the interpreter that loaded it."""
+def _pairwise_sums(X, idx, w, n, out, r, first):
+    """out[g] = sum of X[idx[i], g] * w[i] for i < n, every column in numpy's pairwise order: above 128 values,
+    the sum of the halves (the first half's length a multiple of 8), the first formed first. The recursion runs
+    on an explicit stack (``first``: a level's first-half sums): numba's on-disk cache of a self-recursive
+    function crashed the interpreter that loaded it."""
     if n <= _BLOCK:
-        return _block_sum(x, idx, w, lo, n)
+        _block_sums(X, idx, w, 0, n, out, r)
+        return
     seg_lo, seg_n = np.empty(64, np.int64), np.empty(64, np.int64)
     stage = np.empty(64, np.int64)   # 0: not split yet, 1: its first half pending, 2: its second half pending
-    first = np.empty(64)             # the first half's sum, at stage 2
-    seg_lo[0], seg_n[0], stage[0] = lo, n, 0
+    seg_lo[0], seg_n[0], stage[0] = 0, n, 0
     sp = 1
     while True:
         top = sp - 1
@@ -66,39 +70,52 @@ def _pairwise_sum(x, idx, w, lo, n):
             seg_lo[sp], seg_n[sp], stage[sp] = seg_lo[top], half, 0
             sp += 1
             continue
-        val = _block_sum(x, idx, w, seg_lo[top], seg_n[top])
+        _block_sums(X, idx, w, seg_lo[top], seg_n[top], out, r)
         sp -= 1
-        while sp > 0:                # hand the sum up: a first half waits for its second, a second completes
+        while sp > 0:                # hand the sums up: a first half waits for its second, a second completes
             parent = sp - 1
             if stage[parent] == 1:
-                first[parent] = val
+                first[parent, :] = out
                 stage[parent] = 2
                 half = seg_n[parent] // 2
                 half -= half % 8
                 seg_lo[sp], seg_n[sp], stage[sp] = seg_lo[parent] + half, seg_n[parent] - half, 0
                 sp += 1
                 break
-            val = first[parent] + val
+            for g in range(out.shape[0]):
+                out[g] = first[parent, g] + out[g]
             sp -= 1
         if sp == 0:
-            return val
+            return
 
 
-@njit(cache=True, nogil=True)    # without the GIL: cohorts.evaluation runs independent tests in threads
-def _row_means(x, idx, w):
-    """For each row b: the mean of x[idx[b, i]] * w[b, i]; an argument with one row serves every row."""
-    m, n = max(idx.shape[0], w.shape[0]), idx.shape[1]
-    out = np.empty(m)
+@njit(cache=True, nogil=True)    # without the GIL: cohorts.evaluation runs column blocks in threads
+def _row_means(X, idx, w):
+    """out[b, g]: the mean of X[idx[b, i], g] * w[b, i]; an argument with one row serves every row. Reading each
+    draw once for all the columns is what makes several samples of one size cheaper together than apart."""
+    m, n, cols = max(idx.shape[0], w.shape[0]), idx.shape[1], X.shape[1]
+    out = np.empty((m, cols))
+    acc, r, first = np.empty(cols), np.empty((8, cols)), np.empty((64, cols))
     for b in range(m):
-        out[b] = (0.0 + _pairwise_sum(x, idx[min(b, idx.shape[0] - 1)], w[min(b, w.shape[0] - 1)], 0, n)) / n
+        _pairwise_sums(X, idx[min(b, idx.shape[0] - 1)], w[min(b, w.shape[0] - 1)], n, acc, r, first)
+        for g in range(cols):
+            out[b, g] = (0.0 + acc[g]) / n
     return out
 
 
+def _columns(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float64).reshape(len(x), -1))
+
+
 def resampled_means(x: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """``x[draws].mean(1)``: the mean of each row of draws (indices into x, any integer type)."""
-    return _row_means(x, draws, np.ones((1, draws.shape[1])))
+    """``x[draws].mean(1)``: the mean of each row of draws (indices into x, any integer type). ``x`` may be
+    several samples of one size as the columns of a matrix: then a column of means each, the same numbers."""
+    means = _row_means(_columns(x), draws, np.ones((1, draws.shape[1])))
+    return means[:, 0] if np.ndim(x) == 1 else means
 
 
 def flipped_means(d: np.ndarray, flips: np.ndarray) -> np.ndarray:
-    """``(flips * d).mean(1)``: the mean of d under each row of signs (+-1, any numeric type)."""
-    return _row_means(d, np.arange(flips.shape[1])[None, :], flips)
+    """``(flips * d).mean(1)``: the mean of d under each row of signs (+-1, any numeric type); ``d`` may be
+    several samples' columns, as for :func:`resampled_means`."""
+    means = _row_means(_columns(d), np.arange(flips.shape[1])[None, :], flips)
+    return means[:, 0] if np.ndim(d) == 1 else means

@@ -240,6 +240,30 @@ def test_the_compiled_resampling_means_are_numpys_to_the_bit():
         assert np.array_equal(resampled_means(x, draws), x[draws].mean(1))
         flips = rng.choice([-1.0, 1.0], size=(30, n)).astype(np.int8)
         assert np.array_equal(flipped_means(x, flips), (flips * x).mean(1))
+        # several samples of one size as a matrix's columns: each column's means are numpy's of that sample
+        X = rng.standard_normal((n, 5)) * rng.uniform(0.01, 100.0, 5)
+        resampled, flipped = resampled_means(X, draws), flipped_means(X, flips)
+        assert resampled.shape == flipped.shape == (30, 5)
+        for g in range(5):
+            assert np.array_equal(resampled[:, g], X[:, g][draws].mean(1))
+            assert np.array_equal(flipped[:, g], (flips * X[:, g]).mean(1))
+
+
+def test_samples_tested_together_give_each_sample_s_numbers_alone():
+    """bootstrap_cis and sign_flip_ps resample the samples of one size together (one matrix, its columns split
+    over threads); each sample's CI and p equal those it gets alone, whatever the sizes, resample counts and
+    degenerate samples (empty, all zero, above the normal limit) among them."""
+    from cohorts.evaluation import RESAMPLE_MAX_N, bootstrap_cis, sign_flip_ps
+    rng = np.random.default_rng(5)
+    samples = [rng.standard_normal(n) + rng.uniform(-0.3, 0.3) for n in (40, 40, 40, 7, 40, 7, 300)]
+    samples += [np.zeros(40), np.array([]), rng.standard_normal(RESAMPLE_MAX_N + 1)]
+    perms = [1000, 1000, 500, 1000, 1000, 1000, 1000, 1000, 1000, 1000]
+    together_ci, together_p = bootstrap_cis(samples, n_boot=2000), sign_flip_ps(samples, perms)
+    for x, n_perm, ci, p in zip(samples, perms, together_ci, together_p):
+        alone_ci = bootstrap_cis([x], n_boot=2000)[0]
+        assert ci == alone_ci or (np.isnan(ci).all() and np.isnan(alone_ci).all())
+        assert p == sign_flip_p(x, n_perm=n_perm)
+    assert together_p[7] == 1.0 and 0 < together_p[0] <= 1
 
 
 def test_tests_run_side_by_side_give_the_numbers_one_at_a_time_gives(monkeypatch):
