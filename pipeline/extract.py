@@ -46,7 +46,8 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PE
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
                    code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob, is_meds_dataset,
                    meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files, shard_of,
-                   shard_path, stage_meds, stays_path, write_codes_metadata, write_dataset_metadata, write_shard)
+                   shard_path, splice_shard, stage_meds, stays_path, write_codes_metadata, write_dataset_metadata,
+                   write_shard)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 from .sharding import Sharding, is_recorded
@@ -429,9 +430,13 @@ def _write_new(con, out, bucket: int | None) -> int:
     if n_new:
         shard = shard_path(out, bucket)
         cols = ", ".join(EVENT_COLUMNS)
-        old = f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) UNION ALL " if shard.exists() else ""
-        write_shard(con, f"SELECT * FROM ({old}SELECT {cols} FROM numbered WHERE is_new AND reason IS NULL) "
-                         f"ORDER BY {SHARD_ORDER}", shard)
+        new = f"SELECT {cols} FROM numbered WHERE is_new AND reason IS NULL"
+        if shard.exists():
+            subjects = [int(r[0]) for r in con.execute(f"SELECT DISTINCT subject_id FROM ({new})").fetchall()]
+            splice_shard(con, shard, subjects, f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) WHERE "
+                                               f"subject_id IN ({', '.join(map(str, subjects))}) UNION ALL {new}")
+        else:
+            write_shard(con, f"{new} ORDER BY {SHARD_ORDER}", shard)
     con.execute("""INSERT INTO rejected SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
                           stay_id, source_table, reason, event_hash, occurrence FROM numbered
                    WHERE is_new AND reason IS NOT NULL""")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import duckdb
 import meds
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -95,9 +96,31 @@ SHARD_WRITE_OPTIONS = {"use_dictionary": [c for c in EVENT_SCHEMA.names if c != 
                        "compression": {c: "none" if c == "event_hash" else "snappy" for c in EVENT_SCHEMA.names}}
 
 
+ROW_GROUP_ROWS = 100_000   # rows of a written file's row groups (a shard's subject filters skip the others)
+
+
 def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: list | None = None) -> None:
     """Stream ``query``'s rows (the event columns) into ``path`` with the MEDS schema, atomically."""
     write_query(con, query, path, EVENT_SCHEMA, params, SHARD_WRITE_OPTIONS)
+
+
+def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int], rows: str) -> None:
+    """Rewrite shard ``path`` with the rows of ``subjects`` replaced by ``rows`` (a query of all their event
+    columns' rows, old and new): the other subjects' rows are copied in their order and theirs, sorted, put in
+    their place. The file a sort of the whole shard gives, without sorting the whole shard: a night changes few
+    of a shard's subjects, and the sort was a third of rewriting it."""
+    names = EVENT_SCHEMA.names
+    old = pq.read_table(path).select(names).cast(EVENT_SCHEMA)
+    new = con.sql(f"SELECT * FROM ({rows}) ORDER BY {SHARD_ORDER}").to_arrow_table().select(names).cast(EVENT_SCHEMA)
+    at = np.unique(np.asarray(subjects, dtype=np.int64))
+    old_ids, new_ids = old.column("subject_id").to_numpy(), new.column("subject_id").to_numpy()
+    pieces, copied = [], 0
+    for lo, hi, first, last in zip(np.searchsorted(old_ids, at, "left"), np.searchsorted(old_ids, at, "right"),
+                                   np.searchsorted(new_ids, at, "left"), np.searchsorted(new_ids, at, "right")):
+        pieces += [old.slice(copied, lo - copied), new.slice(first, last - first)]
+        copied = hi
+    pieces.append(old.slice(copied))
+    _atomic_table(pa.concat_tables(pieces), Path(path), {**SHARD_WRITE_OPTIONS, "row_group_size": ROW_GROUP_ROWS})
 
 
 def write_query(con: duckdb.DuckDBPyConnection, query: str, path: Path, schema: pa.Schema,
@@ -106,7 +129,7 @@ def write_query(con: duckdb.DuckDBPyConnection, query: str, path: Path, schema: 
     ``options``), atomically. Batches flow from DuckDB to the file without collecting the result in Python."""
     tmp = Path(str(path) + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    reader = con.sql(query, params=params or []).to_arrow_reader(100_000)
+    reader = con.sql(query, params=params or []).to_arrow_reader(ROW_GROUP_ROWS)
     with pq.ParquetWriter(tmp, schema, **(options or {})) as writer:
         for batch in reader:
             writer.write_batch(batch.select(schema.names).cast(schema))

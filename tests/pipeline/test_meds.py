@@ -105,6 +105,45 @@ def test_the_store_is_a_valid_meds_dataset(ws):
     assert codes.select("code", "source_table").sort("code").equals(first.sort("code"))
 
 
+def test_a_shard_spliced_with_some_subjects_rows_is_the_file_a_sort_of_the_whole_shard_gives(ws, tmp_path):
+    """A night's new rows rewrite a shard by splicing: the changed subjects' rows (old and new, sorted) put in
+    their place among the others' rows as they were. Subjects first, last, between two others and new at both
+    ends give the same rows in the same order as sorting the whole shard, with the shard's schema, write
+    options and row groups."""
+    import duckdb
+
+    from pipeline.meds import EVENT_COLUMNS, EVENT_SCHEMA, ROW_GROUP_ROWS, SHARD_ORDER, splice_shard, write_shard
+    cols = ", ".join(EVENT_COLUMNS)
+    con = duckdb.connect()
+    shard = tmp_path / "all.parquet"        # the store's subjects in one shard
+    write_shard(con, f"SELECT {cols} FROM read_parquet('{ws.store / 'data' / '*.parquet'}') ORDER BY {SHARD_ORDER}",
+                shard)
+    ids = pl.read_parquet(shard, columns=["subject_id"])["subject_id"].unique().sort().to_list()
+    assert len(ids) >= 5
+    new = f"""SELECT * REPLACE (time + INTERVAL 1 MINUTE AS time, md5(event_hash) AS event_hash,
+                               CASE WHEN subject_id = {ids[1]} THEN {ids[0] - 1}
+                                    WHEN subject_id = {ids[2]} THEN {ids[-1] + 7} ELSE subject_id END AS subject_id)
+              FROM read_parquet('{shard}') WHERE subject_id IN ({ids[0]}, {ids[1]}, {ids[2]}, {ids[-1]})
+                                             AND hash(event_hash) % 3 = 0"""
+    con.execute(f"CREATE TABLE numbered AS {new}")
+    touched = [r[0] for r in con.execute("SELECT DISTINCT subject_id FROM numbered").fetchall()]
+    assert {ids[0] - 1, ids[0], ids[-1], ids[-1] + 7} <= set(touched)
+    spliced, whole = tmp_path / "spliced.parquet", tmp_path / "whole.parquet"
+    shutil.copyfile(shard, spliced)
+    splice_shard(con, spliced, touched, f"SELECT {cols} FROM read_parquet('{shard}') WHERE subject_id IN "
+                                        f"({', '.join(map(str, touched))}) UNION ALL SELECT {cols} FROM numbered")
+    write_shard(con, f"SELECT * FROM (SELECT {cols} FROM read_parquet('{shard}') UNION ALL SELECT {cols} FROM "
+                     f"numbered) ORDER BY {SHARD_ORDER}", whole)
+    a, b = pq.read_table(spliced), pq.read_table(whole)
+    assert a.schema == b.schema == EVENT_SCHEMA and a.num_rows > pq.ParquetFile(shard).metadata.num_rows
+    assert a.equals(b)
+    meta = pq.ParquetFile(spliced).metadata
+    assert all(meta.row_group(i).num_rows <= ROW_GROUP_ROWS for i in range(meta.num_row_groups))
+    hashes = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i)
+              for i in range(meta.row_group(0).num_columns)}["event_hash"]
+    assert hashes.compression == "UNCOMPRESSED"
+
+
 def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
     files = sorted(ws.labels.glob("*.parquet"))
     assert {f.stem for f in files} == set(load_config().labels)
