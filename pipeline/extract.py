@@ -424,8 +424,9 @@ def _judge(con, out, bucket: int | None) -> None:
 
 
 def _write_new(con, out, bucket: int | None) -> int:
-    """One shard's new events into its file (rewritten whole, sorted: a subject stays in one file, contiguous and
-    in time order) and its new rejected rows into the temp table ``rejected``; the new events written."""
+    """One shard's new events into its file (rewritten whole and sorted: a subject stays in one file, contiguous
+    and in time order; an existing shard is spliced, :func:`pipeline.meds.splice_shard`) and its new rejected rows
+    into the temp table ``rejected``; the new events written."""
     n_new = con.execute("SELECT count(*) FROM numbered WHERE is_new AND reason IS NULL").fetchall()[0][0]
     if n_new:
         shard = shard_path(out, bucket)
