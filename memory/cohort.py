@@ -65,20 +65,22 @@ def prefix_digests(blocks: Iterable[tuple[list, np.ndarray]], marks: Iterable[st
     rows' digest is none of them (the history changed before it): that mark is the last one returned, the rows
     after it are not hashed (whoever asks re-feeds them from an earlier memory)."""
     todo, out, total = sorted(set(marks)), {}, 0
+
+    def changed_at(mark: str) -> bool:     # records the digest at ``mark``; True: no saved memory holds it
+        out[mark] = total % DIGEST_MOD
+        return saved is not None and out[mark] not in saved.get(mark, ())
     i = 0
     for order_keys, keys in blocks:
         for order_key, h in zip(order_keys, row_hashes(order_keys, keys)):
             while i < len(todo) and order_key > todo[i]:
-                out[todo[i]] = total % DIGEST_MOD
-                if saved is not None and out[todo[i]] not in saved.get(todo[i], ()):
+                if changed_at(todo[i]):
                     return out
                 i += 1
             if i == len(todo):
                 return out
             total += h
     for mark in todo[i:]:
-        out[mark] = total % DIGEST_MOD
-        if saved is not None and out[mark] not in saved.get(mark, ()):
+        if changed_at(mark):
             break
     return out
 
