@@ -43,11 +43,11 @@ from . import progress
 from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PER_ROW, REQUIRED_TABLES, TABLES,
                             bigint, csv_reader, dictionary_selects, event_selects, header_names,
                             quarantine_reason, sql_literal, table_view, ts)
-from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, atomic_write_text,
-                   code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob, is_meds_dataset,
-                   meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files, shard_of,
-                   shard_path, splice_shard, stage_meds, stays_path, write_codes_metadata, write_dataset_metadata,
-                   write_shard)
+from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, ShardWriter,
+                   atomic_write_text, code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob,
+                   is_meds_dataset, meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files,
+                   shard_of, shard_path, shard_table, splice_shard, stage_meds, stays_path, write_codes_metadata,
+                   write_dataset_metadata)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
 from .sharding import Sharding, is_recorded
@@ -423,10 +423,10 @@ def _judge(con, out, bucket: int | None) -> None:
     con.execute("DROP TABLE judged")
 
 
-def _write_new(con, out, bucket: int | None) -> int:
+def _write_new(con, out, bucket: int | None, writer: ShardWriter) -> int:
     """One shard's new events into its file (rewritten whole and sorted: a subject stays in one file, contiguous
-    and in time order; an existing shard is spliced, :func:`pipeline.meds.splice_shard`) and its new rejected rows
-    into the temp table ``rejected``; the new events written."""
+    and in time order; an existing shard is spliced, :func:`pipeline.meds.splice_shard`), handed to ``writer``,
+    and its new rejected rows into the temp table ``rejected``; the new events written."""
     n_new = con.execute("SELECT count(*) FROM numbered WHERE is_new AND reason IS NULL").fetchall()[0][0]
     if n_new:
         shard = shard_path(out, bucket)
@@ -435,9 +435,10 @@ def _write_new(con, out, bucket: int | None) -> int:
         if shard.exists():
             subjects = [int(r[0]) for r in con.execute(f"SELECT DISTINCT subject_id FROM ({new})").fetchall()]
             splice_shard(con, shard, subjects, f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) WHERE "
-                                               f"subject_id IN ({', '.join(map(str, subjects))}) UNION ALL {new}")
+                                               f"subject_id IN ({', '.join(map(str, subjects))}) UNION ALL {new}",
+                         writer)
         else:
-            write_shard(con, f"{new} ORDER BY {SHARD_ORDER}", shard)
+            writer.put(shard_table(con, f"{new} ORDER BY {SHARD_ORDER}"), shard)
     con.execute("""INSERT INTO rejected SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,
                           stay_id, source_table, reason, event_hash, occurrence FROM numbered
                    WHERE is_new AND reason IS NOT NULL""")
@@ -457,14 +458,14 @@ def _check_and_write(con, out, run_id, staging: Path, suppressed, sharding: Shar
     new = dropped = 0
     buckets = _staged_buckets(staging)
     with progress.step("checking rows against the store and writing shards", total=len(buckets),
-                       unit="shards") as advance:
+                       unit="shards") as advance, ShardWriter() as writer:
         for bucket, folders in buckets:
             files = ", ".join(sql_literal(d / "*.parquet") for d in folders)
             con.execute(f"CREATE TEMP TABLE staged AS SELECT {', '.join(STAGED_COLUMNS)} "
                         f"FROM read_parquet([{files}], hive_partitioning=false)")
             dropped += _suppress(con, suppressed, "staged")
             _judge(con, out, bucket)
-            new += _write_new(con, out, bucket)
+            new += _write_new(con, out, bucket, writer)
             con.execute("DROP TABLE staged")
             con.execute("DROP TABLE numbered")
             advance()

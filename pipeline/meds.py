@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import duckdb
@@ -104,14 +105,15 @@ def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: 
     write_query(con, query, path, EVENT_SCHEMA, params, SHARD_WRITE_OPTIONS)
 
 
-def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int], rows: str) -> None:
+def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int], rows: str,
+                 writer: ShardWriter | None = None) -> None:
     """Rewrite shard ``path`` with the rows of ``subjects`` replaced by ``rows`` (a query of all their event
     columns' rows, old and new): the other subjects' rows are copied in their order and theirs, sorted, put in
     their place. The file a sort of the whole shard gives, without sorting the whole shard: a night changes few
-    of a shard's subjects, and the sort was a third of rewriting it."""
+    of a shard's subjects, and the sort was a third of rewriting it. ``writer``: writes it (default: here, at once)."""
     names = EVENT_SCHEMA.names
     old = pq.read_table(path).select(names).cast(EVENT_SCHEMA)
-    new = con.sql(f"SELECT * FROM ({rows}) ORDER BY {SHARD_ORDER}").to_arrow_table().select(names).cast(EVENT_SCHEMA)
+    new = shard_table(con, f"SELECT * FROM ({rows}) ORDER BY {SHARD_ORDER}")
     at = np.unique(np.asarray(subjects, dtype=np.int64))
     old_ids, new_ids = old.column("subject_id").to_numpy(), new.column("subject_id").to_numpy()
     pieces, copied = [], 0
@@ -120,7 +122,55 @@ def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int]
         pieces += [old.slice(copied, lo - copied), new.slice(first, last - first)]
         copied = hi
     pieces.append(old.slice(copied))
-    _atomic_table(pa.concat_tables(pieces), Path(path), {**SHARD_WRITE_OPTIONS, "row_group_size": ROW_GROUP_ROWS})
+    (writer.put if writer is not None else write_shard_table)(pa.concat_tables(pieces), Path(path))
+
+
+def write_shard_table(table: pa.Table, path: Path) -> None:
+    """A shard from a table with the MEDS schema, in its order, atomically (row groups of ROW_GROUP_ROWS)."""
+    _atomic_table(table, path, {**SHARD_WRITE_OPTIONS, "row_group_size": ROW_GROUP_ROWS})
+
+
+def shard_table(con: duckdb.DuckDBPyConnection, query: str) -> pa.Table:
+    """``query``'s rows (the event columns, in its order) as a table with the MEDS schema."""
+    return con.sql(query).to_arrow_table().select(EVENT_SCHEMA.names).cast(EVENT_SCHEMA)
+
+
+class ShardWriter:
+    """Writes shard tables (atomically, in row groups of ROW_GROUP_ROWS) on one thread of its own while its
+    caller builds the next: pyarrow's writer releases the GIL, so a shard's write overlaps the next shard's
+    checks and query instead of following them (a night's rerun rewrites many shards). At most one write is
+    pending; a write's error is raised at the next ``put`` or at ``close``, which waits for the last write."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending: Future | None = None
+
+    def put(self, table: pa.Table, path: Path) -> None:
+        self._wait()
+        self._pending = self._pool.submit(write_shard_table, table, path)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:        # the caller's error is the one reported; the pending write ends either way (atomically)
+            self.close()
+        except Exception:
+            pass
 
 
 def write_query(con: duckdb.DuckDBPyConnection, query: str, path: Path, schema: pa.Schema,

@@ -144,6 +144,34 @@ def test_a_shard_spliced_with_some_subjects_rows_is_the_file_a_sort_of_the_whole
     assert hashes.compression == "UNCOMPRESSED"
 
 
+def test_a_shard_writer_writes_in_the_background_what_a_write_here_gives_and_raises_a_failed_write(ws, tmp_path):
+    """Extraction hands each shard to a ShardWriter (its write overlaps the next shard's work): the files are
+    the ones written at once, every pending write is done when it closes, and a write that fails is raised
+    (at the next put or at close), not lost; under an error of the caller's own, the caller's is raised."""
+    from pipeline.meds import ShardWriter, write_shard_table
+    tables = [pq.read_table(f) for f in sorted((ws.store / "data").glob("*.parquet"))[:3]]
+    with ShardWriter() as writer:
+        for i, t in enumerate(tables):
+            writer.put(t, tmp_path / "bg" / f"{i}.parquet")
+    for i, t in enumerate(tables):
+        write_shard_table(t, tmp_path / "here" / f"{i}.parquet")
+        assert (tmp_path / "bg" / f"{i}.parquet").read_bytes() == (tmp_path / "here" / f"{i}.parquet").read_bytes()
+    blocked = tmp_path / "a file"
+    blocked.write_text("not a folder")
+    with pytest.raises(OSError):
+        with ShardWriter() as writer:
+            writer.put(tables[0], blocked / "0.parquet")
+    with pytest.raises(OSError):
+        with ShardWriter() as writer:
+            writer.put(tables[0], blocked / "0.parquet")
+            writer.put(tables[1], tmp_path / "later.parquet")
+    assert not (tmp_path / "later.parquet").exists()
+    with pytest.raises(KeyError, match="the caller's"):
+        with ShardWriter() as writer:
+            writer.put(tables[0], blocked / "0.parquet")
+            raise KeyError("the caller's")
+
+
 def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
     files = sorted(ws.labels.glob("*.parquet"))
     assert {f.stem for f in files} == set(load_config().labels)
