@@ -102,7 +102,9 @@ def chunk_digests(store: Path, chunk: StayChunk) -> dict[int, str]:
 def stay_digests(events: pl.DataFrame, stays: pl.DataFrame) -> dict[int, str]:
     """stay_id -> a digest of the stay's rows: every event the run reads for it (by content hash and
     occurrence, in any order: a multiset hash) and its row of the stay table."""
-    h = pl.concat_str(pl.col("event_hash"), pl.col("occurrence").cast(pl.String), separator="|").hash(seed=7)
+    # each column hashed alone, then mixed: no string is built per row (a rerun digests every stay of the shards
+    # it touched; the joined string's hash took three times as long)
+    h = pl.col("event_hash").hash(seed=7) ^ pl.col("occurrence").hash(seed=11)
     per_stay = (events.select("stay_id", h.alias("h")).group_by("stay_id")
                 .agg(pl.col("h").sum().alias("sum"), pl.col("h").min().alias("min"), pl.len().alias("n")))
     agg = {r[0]: r[1:] for r in per_stay.iter_rows()}
