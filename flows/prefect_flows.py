@@ -124,8 +124,9 @@ def task_runner_map(fn: Callable, parts: list[list], advance: Callable, **common
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: CohortConfig) -> dict:
-    with progress.step("cohort memory", unit="tokens") as advance:
-        info = update_cohort_memory(Workspace(root), cfg, budget=budget, tokens=tokens, on_fed=advance)
+    # beside scoring, whose bar is the one shown (one live display at a time): recorded as a phase, and logged
+    with progress.phase("cohort memory"):
+        info = update_cohort_memory(Workspace(root), cfg, budget=budget, tokens=tokens)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
                           info["tokens"])
     return info
@@ -150,12 +151,19 @@ def ingest(root: str | Path, params: RunParams, cfg: CohortConfig) -> dict:
 
 @flow(name="forgetful-evaluate", validate_parameters=False)
 def evaluate(root: str | Path, params: RunParams, cfg: CohortConfig) -> RunResult:
-    """:mod:`run.evaluate` over the workspace, per-stay scoring mapped over the flow's task runner."""
+    """:mod:`run.evaluate` over the workspace, per-stay scoring mapped over the flow's task runner, and the
+    cohort memory's update on a thread beside it: it reads the token caches that the cohort phases wrote and
+    nothing scoring writes, and the flow's process only waits on scoring's workers (a night's rerun spent
+    a sixth of its time feeding the memory after scoring had ended)."""
     if not is_compiled():       # in the workers, it would stall the first items of scoring, in each at once
         with progress.step("compiling the exact solver's inner loops (once after an install or upgrade)"):
             compile_solver()
     prepared = prepare_task(str(root), params, cfg)
-    result, scored = prepared.score(task_runner_map)
+    with ThreadPoolTaskRunner(max_workers=1) as beside:
+        memory = beside.submit(cohort_memory_task, dict(root=str(root), budget=params.cohort_budget,
+                                                        tokens=params.tokens, cfg=cfg))
+        result, scored = prepared.score(task_runner_map)
+        result = result.with_metadata(cohort_memory=memory.result())
     get_run_logger().info("%d evaluation stays (%s) at %d budgets, %d scored now (the rest cached)",
                           prepared.evaluation_stays, params.tokens, len(params.budgets) + len(params.fractions),
                           scored)
@@ -189,7 +197,7 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None, bu
                   task_runner: str | None = None, workers: int | None = None, encoder_steps: int | None = None,
                   tokens: StreamMode | None = None, config: str | None = None,
                   memory_limit: str | None = None) -> dict:
-    """ingest -> (train the key encoder) -> evaluate -> cohort memory -> report, holding the workspace lock
+    """ingest -> (train the key encoder) -> evaluate (the cohort memory beside its scoring) -> report, holding the workspace lock
     (deletions wait for it).
 
     Every parameter not given (None) is the workspace's last run's (``WS/run.json``), else
@@ -212,9 +220,7 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None, bu
             else None
         result = evaluate.with_options(task_runner=make_task_runner(params.task_runner, params.workers))(
             str(ws.root), params, cfg)
-        memory = cohort_memory_task(str(ws.root), params.cohort_budget, params.tokens, cfg)
-        result = result.with_metadata(ingest=ingest_info, cohort_memory=memory,
-                                      learned_keys_encoder=encoder or ENCODER_NOT_TRAINED)
+        result = result.with_metadata(ingest=ingest_info, learned_keys_encoder=encoder or ENCODER_NOT_TRAINED)
         path = report(str(ws.root), quote(result))
         write_phases(ws, started)
     return {"report": path, "result": result}
