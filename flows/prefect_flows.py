@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.states import Failed
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from prefect.tasks import Task
 from prefect.utilities.annotations import quote
@@ -37,10 +37,11 @@ from pipeline.workspace import Workspace
 from reports.disclosure import disclosed
 from reports.html import render_report
 from run.cohort_memory import update_cohort_memory
-from run.evaluate import PreparedRun, prepare, score_event_chunk
+from run.evaluate import PreparedRun, Tokenised, prepare, score_event_chunk, tokenise
 from run.params import TASK_RUNNERS, RunParams, StreamMode
 from run.result import RunResult
 from run.steps import ENCODER_NOT_TRAINED, train_key_encoder, write_phases
+from run.token_run import StayIndex
 
 
 
@@ -93,8 +94,13 @@ def train_encoder_task(root: str, steps: int, cfg: CohortConfig) -> dict:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def prepare_task(root: str, params: RunParams, cfg: CohortConfig) -> PreparedRun:
-    return prepare(Workspace(root), params, cfg)
+def prepare_task(root: str, params: RunParams, cfg: CohortConfig, tokenised: Tokenised | None = None) -> PreparedRun:
+    return prepare(Workspace(root), params, cfg, tokenised=tokenised)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def tokenise_task(root: str, params: RunParams, cfg: CohortConfig) -> Tokenised:
+    return tokenise(Workspace(root), params, cfg)
 
 
 # Per-stay scoring as Prefect tasks: each wraps the plain function :mod:`run.evaluate` maps over chunks of stays.
@@ -123,13 +129,15 @@ def task_runner_map(fn: Callable, parts: list[list], advance: Callable, **common
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
-def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: CohortConfig) -> dict:
-    # beside scoring, whose bar is the one shown (one live display at a time): recorded as a phase, and logged
-    with progress.phase("cohort memory"):
-        info = update_cohort_memory(Workspace(root), cfg, budget=budget, tokens=tokens)
+def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: CohortConfig,
+                       index: StayIndex | None = None) -> tuple[dict, tuple[str, float, float]]:
+    # in a process of its own beside the labels and scoring, whose bars are shown: no bar, a log line, and its
+    # phase (name, start, end) returned for the run's record
+    start = time.time()
+    info = update_cohort_memory(Workspace(root), cfg, budget=budget, tokens=tokens, index=index)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],
                           info["tokens"])
-    return info
+    return info, ("cohort memory", start, time.time())
 
 
 # The run's typed parameters and config cross into these subflows in the process that parsed them; Prefect
@@ -152,18 +160,27 @@ def ingest(root: str | Path, params: RunParams, cfg: CohortConfig) -> dict:
 @flow(name="forgetful-evaluate", validate_parameters=False)
 def evaluate(root: str | Path, params: RunParams, cfg: CohortConfig) -> RunResult:
     """:mod:`run.evaluate` over the workspace, per-stay scoring mapped over the flow's task runner, and the
-    cohort memory's update on a thread beside it: it reads the token caches that the cohort phases wrote and
-    nothing scoring writes, and the flow's process only waits on scoring's workers (a night's rerun spent
-    a sixth of its time feeding the memory after scoring had ended)."""
+    cohort memory's update in a process beside the labels and scoring, from the moment every stay's tokens are
+    cached (raw events: after the cohort phases). It reads the token caches and the run's index of stays, and
+    nothing the labels or scoring write; a process, since on a thread its Python loop and theirs took turns
+    at the GIL (a night's rerun spent a sixth of its time feeding the memory after scoring had ended)."""
     if not is_compiled():       # in the workers, it would stall the first items of scoring, in each at once
         with progress.step("compiling the exact solver's inner loops (once after an install or upgrade)"):
             compile_solver()
-    prepared = prepare_task(str(root), params, cfg)
-    with ThreadPoolTaskRunner(max_workers=1) as beside:
-        memory = beside.submit(cohort_memory_task, dict(root=str(root), budget=params.cohort_budget,
-                                                        tokens=params.tokens, cfg=cfg))
+    hourly = params.tokens is StreamMode.HOURLY
+    tokenised = tokenise_task(str(root), params, cfg) if hourly else None
+    with ProcessPoolTaskRunner(max_workers=1) as beside:
+        def feed_memory(index: StayIndex | None) -> PrefectFuture:
+            return beside.submit(cohort_memory_task, dict(root=str(root), budget=params.cohort_budget,
+                                                          tokens=params.tokens, cfg=cfg, index=quote(index)))
+        memory = feed_memory(tokenised.index) if hourly else None
+        prepared = prepare_task(str(root), params, cfg, quote(tokenised))
+        if memory is None:
+            memory = feed_memory(None)
         result, scored = prepared.score(task_runner_map)
-        result = result.with_metadata(cohort_memory=memory.result())
+        info, phase = memory.result()
+    progress.phases.append(phase)
+    result = result.with_metadata(cohort_memory=info)
     get_run_logger().info("%d evaluation stays (%s) at %d budgets, %d scored now (the rest cached)",
                           prepared.evaluation_stays, params.tokens, len(params.budgets) + len(params.fractions),
                           scored)
@@ -197,8 +214,8 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None, bu
                   task_runner: str | None = None, workers: int | None = None, encoder_steps: int | None = None,
                   tokens: StreamMode | None = None, config: str | None = None,
                   memory_limit: str | None = None) -> dict:
-    """ingest -> (train the key encoder) -> evaluate (the cohort memory beside its scoring) -> report, holding the workspace lock
-    (deletions wait for it).
+    """ingest -> (train the key encoder) -> evaluate (the cohort memory fed beside its labels and scoring) ->
+    report, holding the workspace lock (deletions wait for it).
 
     Every parameter not given (None) is the workspace's last run's (``WS/run.json``), else
     :class:`run.params.RunParams`'s default; the run's parameters are saved back to ``WS/run.json``.

@@ -108,8 +108,8 @@ class CohortRows:
     token cache, never all at once; raw events (small stores) are keyed in memory. Each is read on first use."""
 
     def __init__(self, ws: Workspace, tokens: StreamMode, scaler: TokenScaling | EventKeyer | None = None,
-                 cfg: CohortConfig | None = None):
-        self.ws, self.tokens, self._scaler = ws, StreamMode(tokens), scaler
+                 cfg: CohortConfig | None = None, index: StayIndex | None = None):
+        self.ws, self.tokens, self._scaler, self._index = ws, StreamMode(tokens), scaler, index
         self.cfg = cfg or workspace_config(ws.root)
         self.key = store_key(ws.store, ws.root)
 
@@ -119,7 +119,8 @@ class CohortRows:
 
     @functools.cached_property
     def index(self) -> StayIndex:
-        return stay_facts(self.ws, self.cfg)
+        """The run's index of stays when one was given (its tokens cached), else :func:`stay_facts`'."""
+        return self._index if self._index is not None else stay_facts(self.ws, self.cfg)
 
     @functools.cached_property
     def events(self) -> CohortStream:
@@ -191,14 +192,16 @@ def _unchanged_base(saved: list[Path], digests: dict[str, int]) -> Path | None:
 
 
 def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget: int = 128,
-                         tokens: StreamMode = StreamMode.HOURLY, on_fed: Callable | None = None) -> dict:
+                         tokens: StreamMode = StreamMode.HOURLY, on_fed: Callable | None = None,
+                         index: StayIndex | None = None) -> dict:
     """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
     seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).
 
     Rows dated before the memory's watermark that arrived since (late rows, or changed ones) change the
     store's history up to the watermark: the memory is then rebuilt from the latest checkpoint whose history
     is unchanged (or from empty), as if the rows had arrived in time order, and the result says so.
-    ``on_fed(n)`` is told every block of tokens fed (progress)."""
+    ``on_fed(n)`` is told every block of tokens fed (progress); ``index``: the run's index of stays, their
+    tokens cached (default: :func:`stay_facts`' over the workspace)."""
     tokens = StreamMode(tokens)
     cfg = cfg or workspace_config(ws.root)
     ckpts = ws.checkpoints()
@@ -207,7 +210,7 @@ def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget:
         mem, scaler = CohortMemory.load(same[-1]), load_scaler(same[-1])
     else:
         mem, scaler = CohortMemory(budget=budget, gamma=cohort_memory_gamma(cfg, tokens)), None
-    rows = CohortRows(ws, tokens, scaler, cfg)
+    rows = CohortRows(ws, tokens, scaler, cfg, index)
     history = ({"checked": mem.history is not None, "changed_before_watermark": False} if same else
                {"checked": False, "new_memory": True})
     if same and mem.history is not None:

@@ -26,8 +26,8 @@ from pipeline import progress
 from .params import RunParams
 from .provenance import provenance
 from .result import RunResult
-from .steps import (EMBEDDED_SOURCE, prepare_token_run, run_metadata, run_statistics, save_results, score_pending,
-                    scoring_plan, workspace_event_streams)
+from .steps import (EMBEDDED_SOURCE, label_phase, run_metadata, run_statistics, save_results, score_pending,
+                    scoring_plan, token_phase, workspace_event_streams)
 
 if TYPE_CHECKING:
     from cohorts.config import CohortConfig
@@ -131,16 +131,34 @@ class PreparedRun:
 
 
 def prepare(ws: Workspace, params: RunParams, cfg: CohortConfig | None = None,
-            removed_from: Path | None = None) -> PreparedRun:
+            removed_from: Path | None = None, tokenised: Tokenised | None = None) -> PreparedRun:
     """The cohort's phases of a run over ``ws`` (its config unless ``cfg`` is given); ``removed_from``: see
-    :func:`run.token_run.stay_facts`."""
-    started = time.perf_counter()
+    :func:`run.token_run.stay_facts`; ``tokenised``: the first phase done already (hourly tokens), by
+    :func:`tokenise`."""
     cfg = cfg or workspace_config(ws.root)
     if params.tokens is StreamMode.HOURLY:
-        index, cohort = prepare_token_run(ws, cfg, chunk_stays=params.chunk_stays, removed_from=removed_from)
-        return PreparedRun(ws, params, cfg, cohort, started, index=index)
+        tokenised = tokenised or tokenise(ws, params, cfg, removed_from)
+        cohort = label_phase(ws, tokenised.index, cfg, chunk_stays=params.chunk_stays)
+        return PreparedRun(ws, params, cfg, cohort, tokenised.started, index=tokenised.index)
+    started = time.perf_counter()
     streams, cohort = workspace_event_streams(ws, cfg, params.max_events)
     return PreparedRun(ws, params, cfg, cohort, started, streams=streams)
+
+
+@dataclass
+class Tokenised:
+    """An hourly-token run after its first phase: every stay's tokens cached (what the cohort memory reads),
+    the labels not yet made; ``started``: when the run's evaluation began."""
+    index: StayIndex
+    started: float
+
+
+def tokenise(ws: Workspace, params: RunParams, cfg: CohortConfig | None = None,
+             removed_from: Path | None = None) -> Tokenised:
+    """The first phase of an hourly-token run over ``ws`` (:func:`run.steps.token_phase`)."""
+    started = time.perf_counter()
+    index = token_phase(ws, cfg or workspace_config(ws.root), params.chunk_stays, removed_from)
+    return Tokenised(index, started)
 
 
 def saved_params(ws: Workspace) -> RunParams | None:

@@ -99,21 +99,31 @@ def workspace_event_streams(ws: Workspace, cfg: CohortConfig, max_events: int | 
     return [replace(s, memory_path=path) for s, path in zip(streams, paths)], cohort
 
 
-def prepare_token_run(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256,
-                      removed_from: Path | None = None) -> tuple[StayIndex, dict]:
-    """The first two phases of an hourly-token run over a workspace (:mod:`run.token_run`): per-stay facts
-    chunk by chunk, then labels, MEDS label files and splits, token scaling and the streaming setting.
-    Returns the run's index of stays (patient-level; it stays in the process) and the cohort's summary.
-    ``removed_from``: see :func:`run.token_run.stay_facts`."""
-    total = build_cohort(ws.store, cfg).height
-    with progress.step("tokens", total=total, unit="stays") as advance:
-        index = stay_facts(ws, cfg, chunk_stays=chunk_stays, on_chunk=advance, removed_from=removed_from)
-    with progress.step("labels", total=total, unit="stays") as advance:
+def token_phase(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256,
+                removed_from: Path | None = None) -> StayIndex:
+    """The first phase of an hourly-token run over a workspace (:mod:`run.token_run`): per-stay facts chunk by
+    chunk. Returns the run's index of stays (patient-level; it stays in the process), every stay's tokens
+    cached. ``removed_from``: see :func:`run.token_run.stay_facts`."""
+    with progress.step("tokens", total=build_cohort(ws.store, cfg).height, unit="stays") as advance:
+        return stay_facts(ws, cfg, chunk_stays=chunk_stays, on_chunk=advance, removed_from=removed_from)
+
+
+def label_phase(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays: int = 256) -> dict:
+    """The second phase, over the stays of :func:`token_phase`: labels, MEDS label files and splits, token
+    scaling and the streaming setting. Returns the cohort's summary."""
+    with progress.step("labels", total=index.cohort.height, unit="stays") as advance:
         summary = label_run(ws, index, cfg, chunk_stays=chunk_stays, on_shard=advance)
         write_subject_splits(subject_splits_path(ws.store), subject_splits(ws.store, cfg))
     summary["computed_stays"] = dict(index.computed)
     check_run_has_data(summary, workspace_config_path(ws.root))
-    return index, summary
+    return summary
+
+
+def prepare_token_run(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256,
+                      removed_from: Path | None = None) -> tuple[StayIndex, dict]:
+    """:func:`token_phase` then :func:`label_phase`: the run's index of stays and the cohort's summary."""
+    index = token_phase(ws, cfg, chunk_stays, removed_from)
+    return index, label_phase(ws, index, cfg, chunk_stays)
 
 
 def scoring_plan(params: RunParams) -> ScoringPlan:
