@@ -6,6 +6,7 @@
 workspace's per-stay caches are).
 """
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -128,11 +129,24 @@ def task_runner_map(fn: Callable, parts: list[list], advance: Callable, **common
     return [f.result() for f in futures]
 
 
+def end_with_parent(every: float = 0.2) -> None:
+    """End this process when the process that started it ends: a worker that writes into the workspace (the
+    cohort memory's) must not go on writing after a killed run's lock is gone and the next run holds it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
 def cohort_memory_task(root: str, budget: int, tokens: StreamMode, cfg: CohortConfig,
                        index: StayIndex | None = None) -> tuple[dict, tuple[str, float, float]]:
     # in a process of its own beside the labels and scoring, whose bars are shown: no bar, a log line, and its
     # phase (name, start, end) returned for the run's record
+    end_with_parent()
     start = time.time()
     info = update_cohort_memory(Workspace(root), cfg, budget=budget, tokens=tokens, index=index)
     get_run_logger().info("cohort memory %s: fed %d events, %d tokens", info["checkpoint"], info["fed"],

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -235,3 +236,40 @@ def test_a_deletion_refused_while_its_early_server_boots_is_one_line_and_leaves_
     assert marker == "no prefect"
     assert (home / ".forgetful-server-start.lock").exists()      # the server did start early
     assert _servers() <= before
+
+
+@pytest.mark.slow
+def test_the_cohort_memory_s_worker_process_ends_when_the_run_s_process_is_killed(tmp_path):
+    """The cohort memory is fed in a worker process that writes into the workspace (checkpoints, snapshots):
+    when the run's process is killed (its lock released), the worker ends too, instead of writing on while a
+    next run holds the workspace."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import multiprocessing as mp, sys, time\n"
+        "def child(path):\n"
+        "    from flows.prefect_flows import end_with_parent\n"
+        "    end_with_parent(0.05)\n"
+        "    open(path, 'w').write('started')\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('spawn').Process(target=child, args=(sys.argv[1],))\n"
+        "    p.start()\n"
+        "    print(p.pid, flush=True)\n"
+        "    time.sleep(120)\n")
+    started = tmp_path / "started"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    parent = subprocess.Popen([sys.executable, str(script), str(started)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        worker = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists() and worker.is_running()
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
