@@ -151,11 +151,10 @@ class CohortRows:
             blocks = ((b.order_keys, b.keys) for b in self._ordered(upto=max(saved)).batches(names=False))
         return prefix_digests(blocks, saved, saved)
 
-    def feed(self, mem: CohortMemory, on_fed: Callable | None = None, upto: str | None = None,
-             exclude: frozenset = frozenset(), snapshots: SnapshotWriter | None = None) -> None:
+    def feed(self, mem: CohortMemory, upto: str | None = None, exclude: frozenset = frozenset(),
+             snapshots: SnapshotWriter | None = None) -> None:
         """Feed ``mem`` the rows after its watermark (and at or before ``upto``), without the subjects in
-        ``exclude``, in order. ``on_fed(n)``: told every block fed (progress; ``on_fed.set_total`` first);
-        ``snapshots``: saves the memory along the way."""
+        ``exclude``, in order. ``snapshots``: saves the memory along the way (told the total first)."""
         if not self.hourly:
             ev = self.events
             todo = [i for i, (o, s) in enumerate(zip(ev.order_keys, ev.subject_ids))
@@ -166,14 +165,11 @@ class CohortRows:
         else:
             rows = self._ordered(after=mem.watermark, upto=upto, exclude=exclude)
             blocks = ((b.keys, b.token_ids, b.order_keys) for b in rows.batches(FEED_BLOCK))
-            total = rows.count() if on_fed is not None or snapshots is not None else 0
-        for told in (on_fed, snapshots):
-            if told is not None:
-                told.set_total(total)
+            total = rows.count() if snapshots is not None else 0
+        if snapshots is not None:
+            snapshots.set_total(total)
         for keys, ids, order in blocks:
             mem.feed(keys, ids, order)
-            if on_fed is not None:
-                on_fed(len(order))
             if snapshots is not None:
                 snapshots(mem, len(order))
 
@@ -192,16 +188,15 @@ def _unchanged_base(saved: list[Path], digests: dict[str, int]) -> Path | None:
 
 
 def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget: int = 128,
-                         tokens: StreamMode = StreamMode.HOURLY, on_fed: Callable | None = None,
-                         index: StayIndex | None = None) -> dict:
+                         tokens: StreamMode = StreamMode.HOURLY, index: StayIndex | None = None) -> dict:
     """Resume the cohort memory from its latest checkpoint of the same stream mode, feed what it has not
     seen, checkpoint it. A run in the other mode starts a new memory (its checkpoints follow the old ones).
 
     Rows dated before the memory's watermark that arrived since (late rows, or changed ones) change the
     store's history up to the watermark: the memory is then rebuilt from the latest checkpoint whose history
     is unchanged (or from empty), as if the rows had arrived in time order, and the result says so.
-    ``on_fed(n)`` is told every block of tokens fed (progress); ``index``: the run's index of stays, their
-    tokens cached (default: :func:`stay_facts`' over the workspace)."""
+    ``index``: the run's index of stays, their tokens cached (default: :func:`stay_facts`' over the
+    workspace)."""
     tokens = StreamMode(tokens)
     cfg = cfg or workspace_config(ws.root)
     ckpts = ws.checkpoints()
@@ -235,7 +230,7 @@ def update_cohort_memory(ws: Workspace, cfg: CohortConfig | None = None, budget:
     fed_before = mem.fed
     seq = int(ckpts[-1].name.split("-")[0]) + 1 if ckpts else 0
     target = ws.cohort_checkpoints / f"{seq:06d}-{time.strftime('%Y%m%dT%H%M%S')}"
-    rows.feed(mem, on_fed, snapshots=SnapshotWriter(ws.cohort_snapshots / target.name, rows.scaler, tokens))
+    rows.feed(mem, snapshots=SnapshotWriter(ws.cohort_snapshots / target.name, rows.scaler, tokens))
     target.parent.mkdir(parents=True, exist_ok=True)
     mem.save(target)
     save_scaler(rows.scaler, target, tokens)
