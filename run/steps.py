@@ -119,13 +119,6 @@ def label_phase(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays:
     return summary
 
 
-def prepare_token_run(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256,
-                      removed_from: Path | None = None) -> tuple[StayIndex, dict]:
-    """:func:`token_phase` then :func:`label_phase`: the run's index of stays and the cohort's summary."""
-    index = token_phase(ws, cfg, chunk_stays, removed_from)
-    return index, label_phase(ws, index, cfg, chunk_stays)
-
-
 def scoring_plan(params: RunParams) -> ScoringPlan:
     """What a run's scores depend on besides the streams: its budgets, fractions (capped at the largest budget)
     and the budget whose per-stay SV memory is persisted."""

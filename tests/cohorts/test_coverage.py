@@ -9,7 +9,7 @@ import pytest
 from cohorts.coverage import check_channels_read, code_counts, suggest_config
 from cohorts.definitions import load_config
 from cohorts.errors import EmptyRunError
-from run.steps import prepare_token_run
+from run.steps import label_phase, token_phase
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.privacy import load_key
@@ -45,10 +45,10 @@ def test_a_channel_that_reads_nothing_ends_the_run_after_its_labels(tmp_path):
     extract(source, ws.store, key=load_key())
     cfg = edited_config(lambda raw: raw["tokens"]["channels"][0].update(codes=["CHART//999999"]))
     with pytest.raises(EmptyRunError, match=r"channel\(s\) \['hr'\] read no plausible value"):
-        prepare_token_run(ws, cfg)
+        label_phase(ws, token_phase(ws, cfg), cfg)
     cfg = edited_config(lambda raw: raw["split"].update(eval_fraction=0.0))
     with pytest.raises(EmptyRunError, match="no evaluation stays to score"):
-        prepare_token_run(ws, cfg)
+        label_phase(ws, token_phase(ws, cfg), cfg)
 
 
 @pytest.mark.skipif(not DEMO_MEDS.exists(), reason="the MIMIC-IV demo's MEDS conversion is not in shared/data")

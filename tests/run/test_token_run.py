@@ -11,7 +11,7 @@ from cohorts.definitions import load_config
 from cohorts.evaluation import aggregate, bootstrap_ci, sign_flip_p
 from cohorts.protocols import score_token_streams
 from run.reference import prepare_token_streams
-from run.steps import prepare_token_run, score_pending
+from run.steps import label_phase, score_pending, token_phase
 from run.token_run import ScoringPlan
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
@@ -24,7 +24,8 @@ SORT = ["stay_ref", "protocol", "keys", "label", "budget", "policy", "metric"]
 
 
 def _run(ws, cfg, chunk_stays=3):
-    index, summary = prepare_token_run(ws, cfg, chunk_stays=chunk_stays)
+    index = token_phase(ws, cfg, chunk_stays=chunk_stays)
+    summary = label_phase(ws, index, cfg, chunk_stays=chunk_stays)
 
     def score(batch, advance):
         return score_token_streams(batch, BUDGETS, FRACTIONS, index.settings, cfg.fixed_context,
