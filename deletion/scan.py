@@ -9,6 +9,7 @@ import polars as pl
 from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import scratch_paths
 from pipeline.meds import quarantine_files, shard_files, stays_path, subject_splits_path
+from pipeline.shard_changes import change_files, named_subjects
 
 from .plan import owner
 from .store import label_files, read_source, source_files
@@ -17,8 +18,8 @@ if TYPE_CHECKING:
     from pipeline.transaction import Transaction
     from pipeline.workspace import Workspace
 
-SCANNED = ["events", "quarantine", "stays", "per_stay_results", "labels", "cohort_memory_checkpoints",
-           "per_stay_memories", "generated_source", "extraction_scratch"]
+SCANNED = ["events", "quarantine", "shard_change_records", "stays", "per_stay_results", "labels",
+           "cohort_memory_checkpoints", "per_stay_memories", "generated_source", "extraction_scratch"]
 
 
 def _rows_in(path, refs: dict[str, int]) -> dict[int, int]:
@@ -45,6 +46,9 @@ def residual_scan(ws: Workspace, txn: Transaction, stay_files: dict[int, list]) 
               *label_files(ws), subject_splits_path(ws.store)]:
         if str(f) not in deleted and f.exists():
             add(_rows_in(staged.get(str(f), f), refs))
+    for f in change_files(ws.store):
+        if str(f) not in deleted:
+            add({sid: 1 for sid in named_subjects(f) if sid in rows})
     memories = [CohortMemory.load(src) for src in staged.values()
                 if Path(src).is_dir() and (Path(src) / "memory.npz").exists()]
     memories += [CohortMemory.load(c) for c in [*ws.checkpoints(), *ws.snapshots()]

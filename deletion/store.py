@@ -18,6 +18,7 @@ from pipeline.meds import (code_tables_path, codes_metadata_path, codes_of, quar
                            shard_of, stays_path, subject_splits_path, write_code_tables, write_codes_metadata,
                            write_label_file, write_shard, write_subject_splits)
 from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
+from pipeline.shard_changes import changes_path
 from pipeline.sharding import Sharding
 
 from .plan import DeletionFailed, owner
@@ -164,6 +165,10 @@ def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> 
         _source(ws, txn, sids)
     for scratch in scratch_paths(ws.store):     # an interrupted extraction's rows of any patient
         txn.delete(scratch)
+    sharding = Sharding.of_store(ws.store)
+    for record in sorted({changes_path(ws.store, sharding.shard(sid)) for sid in sids}):
+        if record.exists():     # names the subjects its shard's splices changed; the shard is rewritten anyway
+            txn.delete(record)
     stays = pl.read_parquet(stays_path(ws.store))
     in_stays = _per_subject(stays, sids)
     write_staged_parquet(txn, _without(stays, sids), stays_path(ws.store))

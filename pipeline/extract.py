@@ -33,6 +33,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import duckdb
@@ -50,6 +51,7 @@ from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, Me
                    write_dataset_metadata)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
+from .shard_changes import file_state, record_splice
 from .sharding import Sharding, is_recorded
 
 
@@ -436,7 +438,7 @@ def _write_new(con, out, bucket: int | None, writer: ShardWriter) -> int:
             subjects = [int(r[0]) for r in con.execute(f"SELECT DISTINCT subject_id FROM ({new})").fetchall()]
             splice_shard(con, shard, subjects, f"SELECT {cols} FROM read_parquet({sql_literal(shard)}) WHERE "
                                                f"subject_id IN ({', '.join(map(str, subjects))}) UNION ALL {new}",
-                         writer)
+                         writer, partial(record_splice, out, bucket, file_state(shard), subjects))
         else:
             writer.put(shard_table(con, f"{new} ORDER BY {SHARD_ORDER}"), shard)
     con.execute("""INSERT INTO rejected SELECT subject_id, raw_time, code, numeric_value, text_value, unit, hadm_id,

@@ -12,6 +12,8 @@ Store layout (``store/``), a valid MEDS dataset::
     code_tables.parquet            code, source_table, count: the counts per table that codes.parquet sums (so
                                    a deletion updates them by subtraction; not part of MEDS)
     sharding.json                  the shard count (not part of MEDS)
+    shard_changes/<K>.json         the subjects each splice of shard K changed (:mod:`pipeline.shard_changes`;
+                                   not part of MEDS)
     metadata/subject_splits.parquet  the cohort's subject-level split (train / held_out), written by a run
 
 Event columns: MEDS's subject_id (int64), time (timestamp[us]), code, numeric_value (float32) and text_value
@@ -27,6 +29,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import meds
@@ -37,6 +40,9 @@ import pyarrow.parquet as pq
 
 from .extract_rules import sql_literal
 from .sharding import Sharding
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 DATA = "data"
 METADATA = "metadata"
@@ -106,11 +112,12 @@ def write_shard(con: duckdb.DuckDBPyConnection, query: str, path: Path, params: 
 
 
 def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int], rows: str,
-                 writer: ShardWriter | None = None) -> None:
+                 writer: ShardWriter | None = None, then: Callable[[], None] | None = None) -> None:
     """Rewrite shard ``path`` with the rows of ``subjects`` replaced by ``rows`` (a query of all their event
     columns' rows, old and new): the other subjects' rows are copied in their order and theirs, sorted, put in
     their place. The file a sort of the whole shard gives, without sorting the whole shard: a night changes few
-    of a shard's subjects, and the sort was a third of rewriting it. ``writer``: writes it (default: here, at once)."""
+    of a shard's subjects, and the sort was a third of rewriting it. ``writer``: writes it (default: here, at once);
+    ``then``: called once the file is in place."""
     names = EVENT_SCHEMA.names
     old = pq.read_table(path).select(names).cast(EVENT_SCHEMA)
     new = shard_table(con, f"SELECT * FROM ({rows}) ORDER BY {SHARD_ORDER}")
@@ -122,7 +129,12 @@ def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int]
         pieces += [old.slice(copied, lo - copied), new.slice(first, last - first)]
         copied = hi
     pieces.append(old.slice(copied))
-    (writer.put if writer is not None else write_shard_table)(pa.concat_tables(pieces), Path(path))
+    if writer is not None:
+        writer.put(pa.concat_tables(pieces), Path(path), then)
+        return
+    write_shard_table(pa.concat_tables(pieces), Path(path))
+    if then is not None:
+        then()
 
 
 def write_shard_table(table: pa.Table, path: Path) -> None:
@@ -139,15 +151,22 @@ class ShardWriter:
     """Writes shard tables (atomically, in row groups of ROW_GROUP_ROWS) on one thread of its own while its
     caller builds the next: pyarrow's writer releases the GIL, so a shard's write overlaps the next shard's
     checks and query instead of following them (a night's rerun rewrites many shards). At most one write is
-    pending; a write's error is raised at the next ``put`` or at ``close``, which waits for the last write."""
+    pending; a write's error is raised at the next ``put`` or at ``close``, which waits for the last write.
+    ``put``'s ``then`` runs on the same thread once its file is in place (not when the write failed)."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         self._pending: Future | None = None
 
-    def put(self, table: pa.Table, path: Path) -> None:
+    def put(self, table: pa.Table, path: Path, then: Callable[[], None] | None = None) -> None:
         self._wait()
-        self._pending = self._pool.submit(write_shard_table, table, path)
+        self._pending = self._pool.submit(self._write, table, path, then)
+
+    @staticmethod
+    def _write(table: pa.Table, path: Path, then: Callable[[], None] | None) -> None:
+        write_shard_table(table, path)
+        if then is not None:
+            then()
 
     def _wait(self) -> None:
         pending, self._pending = self._pending, None

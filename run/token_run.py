@@ -32,13 +32,14 @@ from cohorts.characteristics import death_stays, describe_cohort
 from cohorts.definitions import build_cohort, deterioration_hours, rare_from_counts
 from cohorts.protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on,
                                token_streams)
-from cohorts.stay_chunks import (StayChunk, chunk_digests, chunk_events, chunk_scan, code_digest, in_windows,
-                                 plan_chunks, stay_digests)
+from cohorts.stay_chunks import (STAY_ROW, StayChunk, chunk_digests, chunk_events, chunk_scan, code_digest,
+                                 in_windows, plan_chunks, stay_digests)
 from cohorts.tokens import TokenScaling, check_scaling, declared_scaling, filled_tokens, reading_spec, threshold_expr
 from pipeline.extract import store_codes
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import LabelFiles, shard_path
 from pipeline.privacy import id_refs, keyed_hash, store_key
+from pipeline.shard_changes import changed_since, file_state
 from pipeline.sharding import Sharding
 
 from .stay_cache import StayCache
@@ -72,10 +73,8 @@ class StayIndex:
 
 
 def _shard_fingerprint(store: Path, shard: int, stays: pl.DataFrame, cfg_key: str) -> str:
-    p = shard_path(store, shard)
-    st = p.stat() if p.exists() else None
     rows = stays.drop("split").sort("stay_id").rows() if stays.height else []
-    return _digest(shard, (st.st_size, st.st_mtime_ns) if st else None, rows, cfg_key)
+    return _digest(shard, file_state(shard_path(store, shard)), rows, cfg_key)
 
 
 def _index_path(ws: Workspace, shard: int) -> Path:
@@ -87,12 +86,42 @@ def _load_index(ws: Workspace, shard: int) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _save_index(ws: Workspace, shard: int, fingerprint: str, keys: dict[str, str], cfg_key: str) -> None:
+def _save_index(ws: Workspace, shard: int, fingerprint: str, keys: dict[str, str], cfg_key: str,
+                state: list[int] | None, rows: dict[str, str]) -> None:
+    """The shard's index: per stay (by opaque reference) its content key and a digest of its stay-table row,
+    and the shard's file as it was read (``state``, what its splice records are followed from)."""
     p = _index_path(ws, shard)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "keys": keys, "config": cfg_key}))
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "keys": keys, "config": cfg_key, "state": state,
+                               "rows": rows}))
     tmp.replace(p)
+
+
+def _row_digests(rows: pl.DataFrame, refs: list[str]) -> dict[str, str]:
+    """Per stay reference a digest of its stay-table row (what its content key reads of the row)."""
+    cols = [c for c in STAY_ROW if c in rows.columns]
+    return {ref: _digest(row) for ref, row in zip(refs, rows.select(cols).iter_rows())}
+
+
+def _unchanged_stays(store: Path, shard: int, rows: pl.DataFrame, refs: list[str], row_digests: dict[str, str],
+                     index: dict, cfg_key: str) -> dict[int, str]:
+    """The shard's stays indexed before under this config and code whose content is the same now, with their
+    keys (stay_id -> key): their subject's rows unchanged since the file the index read (the shard's splice
+    records, :mod:`pipeline.shard_changes`) and every stay-table row of that subject the same. A stay's events
+    are its subject's rows in its own window, so its digest is then the one indexed. Empty when the records
+    cannot tell."""
+    if index.get("config") != cfg_key:
+        return {}
+    changed = changed_since(store, shard, index.get("state"))
+    if changed is None:
+        return {}
+    keys, before = index.get("keys", {}), index.get("rows", {})
+    subjects = rows["subject_id"].to_list()
+    for subject, ref in zip(subjects, refs):
+        if ref not in keys or before.get(ref) != row_digests[ref]:
+            changed.add(subject)
+    return {s: keys[r] for s, subject, r in zip(rows["stay_id"].to_list(), subjects, refs) if subject not in changed}
 
 
 def _stay_refs(stay_ids: list[int], key: bytes) -> list[str]:
@@ -144,8 +173,10 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
     keys_all, computed = {}, 0
     for shard in sharding.shards():
         rows = cohort.filter(pl.col("shard") == shard).drop("shard")
+        state = file_state(shard_path(store, shard))
         fp = _shard_fingerprint(store, shard, rows, cfg_key)
         refs = _stay_refs(rows["stay_id"].to_list(), secret)
+        row_digests = _row_digests(rows, refs)
         index = _load_index(ws, shard)
         present = caches["facts"].keys(shard)
         known = all(index.get("keys", {}).get(r) in present for r in refs)
@@ -161,11 +192,16 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
             if on_chunk is not None:
                 on_chunk(rows.height)
         else:
-            shard_keys = {}
             # a shard computed before under this config and code (late rows, new patients) mostly keeps its
-            # stays: their digests from the columns they read, then whole events for the changed stays only
+            # stays: those of subjects its splices did not touch keep their keys; the others' digests from the
+            # columns they read, then whole events for the changed stays only
             light = index.get("config") == cfg_key and bool(present)
-            for chunk in plan_chunks(rows, sharding, chunk_stays):
+            shard_keys = {s: k for s, k in _unchanged_stays(store, shard, rows, refs, row_digests, index,
+                                                              cfg_key).items() if k in present} if light else {}
+            todo_rows = rows.filter(~pl.col("stay_id").is_in(pl.Series(list(shard_keys), dtype=pl.Int64).implode()))
+            if on_chunk is not None and shard_keys:
+                on_chunk(len(shard_keys))
+            for chunk in plan_chunks(todo_rows, sharding, chunk_stays) if todo_rows.height else []:
                 events = None if light else chunk_events(store, chunk)
                 digests = chunk_digests(store, chunk) if light else stay_digests(events, chunk.stays)
                 keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
@@ -183,7 +219,8 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
         wanted = set(shard_keys.values())
         for cache in caches.values():
             cache.update(shard, wanted)
-        _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])), cfg_key)
+        _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])), cfg_key,
+                    state, row_digests)
         keys_all.update(shard_keys)
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
     return StayIndex(cohort.with_columns(key_col), sharding, computed={"tokens": computed})

@@ -120,6 +120,52 @@ def test_after_late_rows_of_one_stay_only_its_stream_is_built_again(source, tmp_
     assert rows.equals(_run(_workspace(tmp_path, "fresh", late), cfg)[2])
 
 
+def test_after_late_rows_only_the_touched_subjects_stays_are_digested(source, tmp_path, monkeypatch):
+    """A night's splices record the subjects they changed: a rerun digests those subjects' stays only (not every
+    stay of each touched shard), and equals a fresh run; where the records cannot tell (here: removed), the
+    shard is digested whole and the rerun is the same."""
+    import run.token_run as token_run
+    from pipeline.shard_changes import change_files
+    cfg = load_config()
+    ws = _workspace(tmp_path, "ws", source)
+    _run(ws, cfg)
+    late = _with_new_rows(source, tmp_path, n_patients=24)
+    copy = Workspace(tmp_path / "copy")
+    shutil.copytree(ws.root, copy.root)
+    digested = []
+    real = token_run.chunk_digests
+
+    def counting(store, chunk):
+        digested.extend(chunk.stays["stay_id"].to_list())
+        return real(store, chunk)
+    monkeypatch.setattr(token_run, "chunk_digests", counting)
+    extract(late, ws.store, key=load_key())
+    assert change_files(ws.store)
+    later, _, rows = _run(ws, cfg)
+    touched = later.cohort.filter(pl.col("stay_id").is_in(digested))["subject_id"].unique()
+    assert len(touched) == 1 and later.computed["tokens"] == 1
+    assert len(digested) == later.cohort.filter(pl.col("subject_id") == touched[0]).height
+    assert rows.equals(_run(_workspace(tmp_path, "fresh", late), cfg)[2])
+
+    digested.clear()
+    extract(late, copy.store, key=load_key())
+    for f in change_files(copy.store):
+        f.unlink()
+    whole, _, rows_whole = _run(copy, cfg)
+    shard = whole.cohort.filter(pl.col("subject_id") == touched[0])["shard"][0]
+    mine = whole.cohort.filter(pl.col("subject_id") == touched[0]).height
+    assert len(digested) == whole.shard_rows(shard).height > mine and whole.computed["tokens"] == 1
+    assert rows_whole.equals(rows)
+    # the records name subjects: a deletion takes its patient's out with their shard's rows
+    from deletion import delete_subject
+    from pipeline.shard_changes import named_subjects
+    sid = int(touched[0])
+    assert any(sid in named_subjects(f) for f in change_files(ws.store))
+    cert, _ = delete_subject(ws, sid, mode="decrement")
+    assert not any(sid in named_subjects(f) for f in change_files(ws.store))
+    assert "shard_change_records" in cert["residual_scan"]["scanned"]
+
+
 def _one_matrix_bootstrap(x, n_boot=10_000, seed=0):
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(1)
