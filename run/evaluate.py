@@ -53,6 +53,12 @@ def score_event_chunk(streams: list[EventStream], budgets: tuple, fractions: tup
     return run_sweep(streams, budgets=budgets, fractions=fractions, workers=1, memory_budget=memory_budget)
 
 
+# Fewer stays than this are scored in the run's own process, whatever its map: a worker process starts in ~4 s
+# (its imports, the solver's compiled loops), the time of scoring some 40 stays at ~0.1 s each, and a night's
+# rerun scores a handful (at 10 % of v3.1, 14 stays after ~1 % new rows: 8.5 s in the pool).
+IN_PROCESS_BELOW = 40
+
+
 def in_process_map(fn: Callable, parts: list[list], advance: Callable, **common) -> list:
     """A :data:`ChunkMap` in this process, one part after the other (small workspaces, tests)."""
     out = []
@@ -110,7 +116,8 @@ class PreparedRun:
 
             def score_batch(batch: list[TokenStream], advance: Callable) -> list[dict]:
                 parts = balanced_chunks(batch, n_chunks, size=len)
-                return [r for rows in map_chunks(score_token_streams, parts, advance, **common) for r in rows]
+                mapped = in_process_map if len(batch) < IN_PROCESS_BELOW else map_chunks
+                return [r for rows in mapped(score_token_streams, parts, advance, **common) for r in rows]
             scored = score_pending(self.ws, self.index, self.cfg, plan, score_batch)
             summary, paired = run_statistics(self.ws, self.cfg)
         else:

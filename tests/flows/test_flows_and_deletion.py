@@ -245,8 +245,11 @@ def test_a_crash_at_any_step_leaves_old_or_new_state_and_a_rerun_completes(works
     assert len(ws.ledger.read_text().splitlines()) == 1
 
 
-def test_dask_backed_run(prefect_server, source, tmp_path):
+def test_dask_backed_run(prefect_server, source, tmp_path, monkeypatch):
+    import run.evaluate
     from flows.prefect_flows import scheduled_run
+    # this cohort's few stays would be scored in the flow's process: through the cluster here
+    monkeypatch.setattr(run.evaluate, "IN_PROCESS_BELOW", 0)
     out = scheduled_run(root=str(tmp_path / "ws"), source=str(source), task_runner="dask", workers=2,
                         budgets=(8,), fractions=(), cohort_budget=16, max_events=80, encoder_steps=0)
     rows = json.loads(Path(tmp_path / "ws" / "report.json").read_text())["summary"]
