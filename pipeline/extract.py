@@ -417,7 +417,7 @@ def _judge(con, out, bucket: int | None) -> None:
             for q in quarantine_files(out)]
     shard = shard_path(out, bucket) if bucket is not None else None
     if shard is not None and shard.exists():
-        seen.append(f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(shard)})")
+        seen.append(f"SELECT event_hash, occurrence FROM read_parquet({sql_literal(shard)}) WHERE {mine}")
     is_new = (f"NOT EXISTS (SELECT 1 FROM ({' UNION ALL '.join(seen)}) x "
               f"WHERE x.event_hash = j.event_hash AND x.occurrence = j.occurrence)") if seen else "TRUE"
     con.execute(f"""CREATE TEMP TABLE numbered AS SELECT *, {is_new} AS is_new FROM (SELECT *,
