@@ -27,6 +27,9 @@ class StayCache:
 
     def __init__(self, ws: Workspace, kind: str):
         self.dir = ws.cache / kind
+        # shard -> (its parts, their keys): a part is never changed once written (an update writes a new one
+        # under a new name), so the same parts hold the same keys; a run asks a shard's keys, then updates it
+        self._keys: dict[int, tuple[list[Path], frozenset[str]]] = {}
 
     def parts(self, shard: int) -> list[Path]:
         d = self.dir / str(int(shard))
@@ -36,7 +39,11 @@ class StayCache:
         parts = self.parts(shard)
         if not parts:
             return set()
-        return set(pl.scan_parquet(parts).select("key").unique().collect()["key"].to_list())
+        known = self._keys.get(int(shard))
+        if known is None or known[0] != parts:
+            known = (parts, frozenset(pl.scan_parquet(parts).select("key").unique().collect()["key"].to_list()))
+            self._keys[int(shard)] = known
+        return set(known[1])
 
     def read(self, shard: int, keys: set[str] | list[str] | None = None) -> pl.DataFrame | None:
         parts = self.parts(shard)
