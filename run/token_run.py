@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,8 +33,8 @@ from cohorts.characteristics import death_stays, describe_cohort
 from cohorts.definitions import build_cohort, deterioration_hours, rare_from_counts
 from cohorts.protocols import (StreamingSettings, TokenStream, choose_settings, grid_scores, selects_on,
                                token_streams)
-from cohorts.stay_chunks import (STAY_ROW, StayChunk, chunk_digests, chunk_events, chunk_scan, code_digest,
-                                 in_windows, plan_chunks, stay_digests)
+from cohorts.stay_chunks import (STAY_ROW, StayChunk, chunk_digests, chunk_events, chunk_scan, chunks_events,
+                                 code_digest, in_windows, plan_chunks, stay_digests)
 from cohorts.tokens import TokenScaling, check_scaling, declared_scaling, filled_tokens, reading_spec, threshold_expr
 from pipeline.extract import store_codes
 from pipeline.extract_rules import sql_literal
@@ -152,6 +153,57 @@ def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], c
     return {"tokens": tokens, "facts": facts.join(per_channel, on="key", how="left"), "fired": fired, "codes": codes}
 
 
+class _ChangedFacts:
+    """The facts of the changed stays of shards computed before, gathered across shards and computed together,
+    at most ``chunk_stays`` stays at a time: a night changes a stay or two in most shards, and computing them
+    shard by shard paid a query's fixed cost per shard. A shard's caches are updated and its index saved
+    (``finish``) only once its stays' facts are appended."""
+
+    def __init__(self, store: Path, caches: dict[str, StayCache], chunk_stays: int, facts: Callable):
+        self.store, self.caches, self.chunk_stays, self.facts = store, caches, chunk_stays, facts
+        self.parts: list[tuple[StayChunk, dict[int, str]]] = []
+        self.waiting: list[Callable[[], None]] = []
+
+    def add(self, part: StayChunk, keys: dict[int, str]) -> None:
+        self.parts.append((part, keys))
+
+    def finish(self, done: Callable[[], None]) -> None:
+        """``done`` now when nothing is pending, else once the pending facts are appended."""
+        if not self.parts:
+            done()
+            return
+        self.waiting.append(done)
+        if sum(len(p) for p, _ in self.parts) >= self.chunk_stays:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.parts:
+            events = chunks_events(self.store, [p for p, _ in self.parts])
+            stays = StayChunk(-1, pl.concat([p.stays for p, _ in self.parts]))
+            keys = {s: k for _, todo in self.parts for s, k in todo.items()}
+            shard_of = {k: p.shard for p, todo in self.parts for k in todo.values()}
+            for kind, frame in self.facts(events, stays, keys).items():
+                frame = frame.with_columns(pl.col("key").replace_strict(shard_of, return_dtype=pl.Int64)
+                                           .alias("_shard"))
+                for (shard,), part in frame.group_by(["_shard"]):
+                    self.caches[kind].append(int(shard), [part.drop("_shard")])
+            self.parts = []
+        waiting, self.waiting = self.waiting, []
+        for done in waiting:
+            done()
+
+
+def _finish_shard(ws: Workspace, caches: dict[str, StayCache], shard: int, rows: pl.DataFrame, refs: list[str],
+                  shard_keys: dict[int, str], fp: str, cfg_key: str, state: list[int] | None,
+                  row_digests: dict[str, str]) -> None:
+    """A shard's caches compacted to its stays' keys, then its index saved."""
+    wanted = set(shard_keys.values())
+    for cache in caches.values():
+        cache.update(shard, wanted)
+    _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])), cfg_key,
+                state, row_digests)
+
+
 def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chunk: Callable | None = None,
                removed_from: Path | None = None) -> StayIndex:
     """Phase 1: every cohort stay's content key, and the per-stay facts of the stays not yet cached.
@@ -170,6 +222,8 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
     spec = reading_spec(channels, store_codes(store))
     secret = store_key(store, ws.root)
     caches = {k: StayCache(ws, k) for k in ("tokens", "facts", "fired", "codes")}
+    changed = _ChangedFacts(store, caches, chunk_stays,
+                            lambda events, part, todo: _chunk_facts(events, part, todo, cfg, spec, names))
     keys_all, computed = {}, 0
     for shard in sharding.shards():
         rows = cohort.filter(pl.col("shard") == shard).drop("shard")
@@ -210,18 +264,19 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
                 if todo:     # appended chunk by chunk: a shard's new facts are never gathered
                     mine = pl.Series(list(todo), dtype=pl.Int64).implode()
                     part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
-                    events = chunk_events(store, part) if light else events.filter(pl.col("stay_id").is_in(mine))
-                    for kind, frame in _chunk_facts(events, part, todo, cfg, spec, names).items():
-                        caches[kind].append(shard, [frame])
+                    if light:
+                        changed.add(part, todo)
+                    else:
+                        for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo,
+                                                        cfg, spec, names).items():
+                            caches[kind].append(shard, [frame])
                     computed += len(todo)
                 if on_chunk is not None:
                     on_chunk(len(chunk))
-        wanted = set(shard_keys.values())
-        for cache in caches.values():
-            cache.update(shard, wanted)
-        _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])), cfg_key,
-                    state, row_digests)
+        changed.finish(partial(_finish_shard, ws, caches, shard, rows, refs, shard_keys, fp, cfg_key, state,
+                               row_digests))
         keys_all.update(shard_keys)
+    changed.flush()
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
     return StayIndex(cohort.with_columns(key_col), sharding, computed={"tokens": computed})
 
