@@ -88,14 +88,13 @@ EVENT_ORDER = ["stay_id", "time", "code", "event_hash", "occurrence"]
 
 def chunk_events(store: Path, chunk: StayChunk) -> pl.DataFrame:
     """The chunk's stay events in stay and time order."""
-    return in_windows(chunk_scan(store, chunk), chunk.stays).sort(EVENT_ORDER).collect()
+    return chunks_events(store, [chunk])
 
 
 def chunks_events(store: Path, chunks: list[StayChunk]) -> pl.DataFrame:
-    """The stay events of chunks of several shards, read in one query, in stay and time order: what
-    :func:`chunk_events` gives for each, together."""
-    scans = [in_windows(chunk_scan(store, c), c.stays) for c in chunks]
-    return pl.concat(scans).sort(EVENT_ORDER).collect()
+    """The stay events of chunks (of one shard or several, each its shard's subjects), read in one query, in stay
+    and time order."""
+    return pl.concat([in_windows(chunk_scan(store, c), c.stays) for c in chunks]).sort(EVENT_ORDER).collect()
 
 
 DIGEST_COLUMNS = ["stay_id", "subject_id", "time", "event_hash", "occurrence"]   # what a stay's digest reads

@@ -130,13 +130,13 @@ def _stay_refs(stay_ids: list[int], key: bytes) -> list[str]:
     return [keyed_hash(f"stay:{int(s)}", key)[:32] for s in stay_ids]
 
 
-def _chunk_facts(events: pl.DataFrame, chunk: StayChunk, keys: dict[int, str], cfg: CohortConfig, spec: pl.DataFrame,
-                 names: list[str]) -> dict[str, pl.DataFrame]:
-    """The cached facts of the chunk's stays (already restricted to the stays to compute), keyed by content key."""
+def _chunk_facts(events: pl.DataFrame, stays: pl.DataFrame, keys: dict[int, str], cfg: CohortConfig,
+                 spec: pl.DataFrame, names: list[str]) -> dict[str, pl.DataFrame]:
+    """The cached facts of ``stays`` (the stays to compute, with ``events``, theirs), keyed by content key."""
     hours_per_bin = cfg.bin_hours
     key_of = pl.DataFrame({"stay_id": list(keys), "key": list(keys.values())},
                           schema={"stay_id": pl.Int64, "key": pl.String})
-    filled, counts = filled_tokens(events.lazy(), spec, chunk.stays, names, hours_per_bin)
+    filled, counts = filled_tokens(events.lazy(), spec, stays, names, hours_per_bin)
     tokens = (filled.join(key_of, on="stay_id")
               .with_columns(pl.col("event_hash").list.min().alias("first_hash"))
               .select("key", "hour", *names, "readings", "first_hash"))
@@ -179,7 +179,7 @@ class _ChangedFacts:
     def flush(self) -> None:
         if self.parts:
             events = chunks_events(self.store, [p for p, _ in self.parts])
-            stays = StayChunk(-1, pl.concat([p.stays for p, _ in self.parts]))
+            stays = pl.concat([p.stays for p, _ in self.parts])
             keys = {s: k for _, todo in self.parts for s, k in todo.items()}
             shard_of = {k: p.shard for p, todo in self.parts for k in todo.values()}
             for kind, frame in self.facts(events, stays, keys).items():
@@ -261,14 +261,14 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
                 keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
                 shard_keys.update(keys)
                 todo = {s: k for s, k in keys.items() if k not in present}
-                if todo:     # appended chunk by chunk: a shard's new facts are never gathered
+                if todo:     # a first run's appended chunk by chunk; a rerun's gathered, chunk_stays at most
                     mine = pl.Series(list(todo), dtype=pl.Int64).implode()
                     part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
                     if light:
                         changed.add(part, todo)
                     else:
-                        for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part, todo,
-                                                        cfg, spec, names).items():
+                        for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part.stays,
+                                                        todo, cfg, spec, names).items():
                             caches[kind].append(shard, [frame])
                     computed += len(todo)
                 if on_chunk is not None:
