@@ -129,17 +129,15 @@ def splice_shard(con: duckdb.DuckDBPyConnection, path: Path, subjects: list[int]
         pieces += [old.slice(copied, lo - copied), new.slice(first, last - first)]
         copied = hi
     pieces.append(old.slice(copied))
-    if writer is not None:
-        writer.put(pa.concat_tables(pieces), Path(path), then)
-        return
-    write_shard_table(pa.concat_tables(pieces), Path(path))
+    (writer.put if writer is not None else write_shard_table)(pa.concat_tables(pieces), Path(path), then)
+
+
+def write_shard_table(table: pa.Table, path: Path, then: Callable[[], None] | None = None) -> None:
+    """A shard from a table with the MEDS schema, in its order, atomically (row groups of ROW_GROUP_ROWS);
+    ``then``: called once the file is in place."""
+    _atomic_table(table, path, {**SHARD_WRITE_OPTIONS, "row_group_size": ROW_GROUP_ROWS})
     if then is not None:
         then()
-
-
-def write_shard_table(table: pa.Table, path: Path) -> None:
-    """A shard from a table with the MEDS schema, in its order, atomically (row groups of ROW_GROUP_ROWS)."""
-    _atomic_table(table, path, {**SHARD_WRITE_OPTIONS, "row_group_size": ROW_GROUP_ROWS})
 
 
 def shard_table(con: duckdb.DuckDBPyConnection, query: str) -> pa.Table:
@@ -160,13 +158,7 @@ class ShardWriter:
 
     def put(self, table: pa.Table, path: Path, then: Callable[[], None] | None = None) -> None:
         self._wait()
-        self._pending = self._pool.submit(self._write, table, path, then)
-
-    @staticmethod
-    def _write(table: pa.Table, path: Path, then: Callable[[], None] | None) -> None:
-        write_shard_table(table, path)
-        if then is not None:
-            then()
+        self._pending = self._pool.submit(write_shard_table, table, path, then)
 
     def _wait(self) -> None:
         pending, self._pending = self._pending, None
