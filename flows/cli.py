@@ -322,26 +322,60 @@ def _verify(args):
 
 def _delete(args, server):
     from flows.api_server import shared_api_server
-    from flows.prefect_flows import delete_patients, refusal_reason
+    from flows.prefect_flows import delete_patients, deletion_outcome
     from pipeline.privacy import keyed_hash, store_key
     from pipeline.workspace import Workspace
     ws = Workspace(args.out)
     # the raw ids stay in this process: the flow (and Prefect's database) gets the keyed hashes
     key = store_key(ws.store, ws.root)
-    hashes = [keyed_hash(sid, key) for sid in args.subject_ids]
+    by_hash = {keyed_hash(sid, key): sid for sid in args.subject_ids}
     with shared_api_server(server):
-        state = delete_patients(args.out, hashes, mode=args.mode, wait_seconds=args.wait,
+        state = delete_patients(args.out, list(by_hash), mode=args.mode, wait_seconds=args.wait,
                                 compare_with_replay=not args.no_replay_comparison, return_state=True)
-    reason = refusal_reason(state)
-    if reason is not None:
-        print(f"forgetful: error: {reason}", file=sys.stderr)
+    return _report_outcome(deletion_outcome(state), by_hash, args)
+
+
+def _send_to_desk(args) -> int | None:
+    """The deletion handed to the process serving the workspace (``forgetful serve``, its deletion desk) when
+    one does: no server to start, nothing to import, the same flow run there. Its exit status, or None when no
+    desk takes it (the command runs it itself)."""
+    from flows.deletion_desk import DeletionRequest, desk_pid, submit
+    from pipeline.workspace import Workspace
+    ws = Workspace(args.out)
+    pid = desk_pid(ws)
+    if pid is None or not ws.store.exists():
+        return None
+    from pipeline.privacy import keyed_hash, store_key
+    key = store_key(ws.store, ws.root)
+    by_hash = {keyed_hash(sid, key): sid for sid in args.subject_ids}
+    print(f"forgetful: sent to the process serving {ws.root} (pid {pid})")
+    outcome = submit(ws, DeletionRequest(tuple(by_hash), mode=args.mode, wait_seconds=args.wait,
+                                         compare_with_replay=not args.no_replay_comparison,
+                                         skip_unknown=args.skip_unknown))
+    return None if outcome is None else _report_outcome(outcome, by_hash, args)
+
+
+def _report_outcome(outcome, by_hash: dict[str, int], args) -> int:
+    """A deletion's outcome (:class:`flows.deletion_desk.DeletionOutcome`) in the command's lines and exit status.
+    The flow names subjects by hash prefix; the command, which holds the ids it was given, adds whose each is."""
+    def named(text: str) -> str:
+        return text + "".join(f" [hash {h[:12]}... is subject {sid}]" for h, sid in by_hash.items() if h[:12] in text)
+    if outcome.refusal is not None or outcome.failure_status == 2 and outcome.failure is not None:
+        print(f"forgetful: error: {named(outcome.refusal or outcome.failure)}", file=sys.stderr)
         return 2
-    out = state.result()
-    if "already_deleted" in out:
-        print(f"forgetful: nothing to do: {out['already_deleted']}")
+    if outcome.failure is not None:
+        print(f"forgetful: internal error: {outcome.failure} (the serving process's log has the traceback)",
+              file=sys.stderr)
+        return outcome.failure_status
+    if outcome.already_deleted is not None:
+        print(f"forgetful: nothing to do: {outcome.already_deleted}")
         return 0
-    for sid, path in zip(args.subject_ids, out["certificates"]):
-        print(f"certificate: {path}" + (f" (subject {sid})" if len(args.subject_ids) > 1 else ""))
+    skipped = {h: outcome.skipped[h[:12]] for h in by_hash if h[:12] in outcome.skipped}
+    for h, why in skipped.items():
+        print(f"forgetful: skipped subject {by_hash[h]}: {why}", file=sys.stderr)
+    left = sorted(sid for h, sid in by_hash.items() if h not in skipped)
+    for sid, path in zip(left, outcome.certificates):
+        print(f"certificate: {path}" + (f" (subject {sid})" if len(by_hash) > 1 else ""))
     return 0
 
 
@@ -353,7 +387,7 @@ def _scheduled(args, server):
     try:
         with shared_api_server(server):
             if args.cmd == "serve":
-                scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
+                _serve(args, params)
                 return 0
             out = scheduled_run(**params)
     except Exception:
@@ -363,6 +397,23 @@ def _scheduled(args, server):
     print(f"report: {out['report']}")
     _print_headline(out["result"])
     return 0
+
+
+def _serve(args, params: dict) -> None:
+    """The scheduled run served on its cron schedule, and the workspace's deletion requests taken in this process
+    meanwhile (:mod:`flows.deletion_desk`)."""
+    from functools import partial
+
+    from flows.deletion_desk import open_desk
+    from flows.prefect_flows import scheduled_run, serve_deletion
+    from memory.warmup import compile_solver
+    from pipeline.workspace import Workspace
+    ws = Workspace(args.out)
+    with open_desk(ws, partial(serve_deletion, str(ws.root)), warm=compile_solver) as desk:
+        print(f"forgetful: deletion requests for {ws.root} are taken by this process (pid {os.getpid()})"
+              if desk is not None else f"forgetful: another process takes the deletion requests for {ws.root}",
+              flush=True)
+        scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
 
 
 def _remove_unstarted_workspace(root: Path) -> None:
@@ -399,6 +450,10 @@ def _run(args):
     if args.cmd in offline:
         return offline[args.cmd](args)
     _preflight(args)
+    if args.cmd == "delete":
+        sent = _send_to_desk(args)
+        if sent is not None:
+            return sent
     from flows.api_server import begin, launch_early
     early = launch_early()
     # While the server boots: a deletion's check of its subjects (it imports the deletion's modules and reads
@@ -434,22 +489,15 @@ def _os_error_line(e: OSError, args) -> str:
 
 
 def _failure(e: Exception, args) -> int:
-    """The exit status of a command that raised ``e``, its reason printed in one line. (The error types are
-    imported here, when one is met: a command's first imports are its own, so its server starts sooner.)"""
-    from cohorts.definitions import CohortConfigError
-    from deletion import AlreadyDeleted, DeletionFailed
-    from flows.api_server import ServerStartError
-    from pipeline.extract import ExtractionError
-    from pipeline.locking import WorkspaceLocked
-    if isinstance(e, AlreadyDeleted):
+    """The exit status of a command that raised ``e`` (:func:`flows.failures.failure_status`), its reason printed
+    in one line."""
+    from flows.failures import failure_status
+    status = failure_status(e)
+    if status == 0:
         print(f"forgetful: nothing to do: {e}")
         return 0
-    if isinstance(e, (ExtractionError, CohortConfigError, WorkspaceLocked, DeletionFailed, ServerStartError,
-                      ValueError, KeyError)):
-        print(f"forgetful: error: {e}", file=sys.stderr)
-        return 2
-    if isinstance(e, OSError):
-        print(f"forgetful: error: {_os_error_line(e, args)}", file=sys.stderr)
+    if status == 2:
+        print(f"forgetful: error: {_os_error_line(e, args) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2
     if args.verbose:        # a defect of ours: the traceback with --verbose, one line without
         raise e

@@ -5,6 +5,7 @@
 (streams, per-stay rows) are never persisted (``persist_result=False``); nothing is cached by Prefect (the
 workspace's per-stay caches are).
 """
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,8 @@ from cohorts.definitions import CohortConfigError, install_config
 from cohorts.evaluation import EventStream, headline_rows
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
 from deletion import AlreadyDeleted, DeletionFailed, delete_subjects, resolve_subjects
+from flows.deletion_desk import DeletionOutcome, DeletionRequest
+from flows.failures import failure_status
 from memory.warmup import compile_solver, is_compiled
 from pipeline import progress
 from pipeline.extract import ExtractionError, UnknownSubjectError, extract
@@ -304,3 +307,28 @@ def delete_patients(root: str | Path, subject_hashes: list[str], mode: str = "de
         f"- Certificate `{Path(path).name}` (subject hash `{cert['subject_hash'][:16]}...`, mode {mode})"
         for cert, path in issued))
     return {"certificates": [str(path) for _, path in issued], "skipped": missing}
+
+
+def deletion_outcome(state: State) -> DeletionOutcome:
+    """How a ``delete_patients`` flow run ended; a failure that is not a refusal is raised (``state.result()``)."""
+    reason = refusal_reason(state)
+    if reason is not None:
+        return DeletionOutcome(refusal=reason)
+    out = state.result()
+    if "already_deleted" in out:
+        return DeletionOutcome(already_deleted=out["already_deleted"])
+    return DeletionOutcome(certificates=tuple(out["certificates"]), skipped=out["skipped"])
+
+
+def serve_deletion(root: str | Path, request: DeletionRequest) -> DeletionOutcome:
+    """A request to the serving process's deletion desk (:mod:`flows.deletion_desk`): the same flow a
+    ``forgetful delete`` command runs, run here; a failure is answered with the exit status the command would
+    have given it (its traceback stays in this process's log)."""
+    try:
+        return deletion_outcome(delete_patients(root, list(request.subject_hashes), mode=request.mode,
+                                                wait_seconds=request.wait_seconds,
+                                                compare_with_replay=request.compare_with_replay,
+                                                skip_unknown=request.skip_unknown, return_state=True))
+    except Exception as e:  # noqa: BLE001 -- every failure reaches the command in one line
+        logging.getLogger("forgetful").exception("a deletion request to the desk of %s failed", root)
+        return DeletionOutcome(failure=f"{type(e).__name__}: {e}", failure_status=failure_status(e))

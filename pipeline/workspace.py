@@ -35,6 +35,7 @@ class Workspace:
     cache = property(lambda self: self.root / "cache")                  # per-stay caches, content-keyed
     statistics = property(lambda self: self.cache / "statistics.json")  # the last run's aggregates
     config = property(lambda self: self.root / "config.yaml")           # the workspace's cohort config
+    desk = property(lambda self: self.root / "deletion_desk")           # requests to the serving process
 
     def stay_memory(self, stay_id: int, key: bytes) -> Path:
         """Per-stay memory file, named by a keyed hash of the stay id (no identifier in file names)."""

@@ -469,3 +469,44 @@ def test_a_batch_deletion_is_one_command_a_certificate_each_and_an_unknown_id_is
         assert not any(scan_subject(ws, sid)[0].values())
     again = delete("--subject-id", str(first), "--subject-id", str(second))
     assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+@pytest.mark.slow
+def test_serve_takes_the_workspaces_deletion_requests_in_its_own_process(token_workspace, tmp_path):
+    """`forgetful delete` beside a running `forgetful serve`: sent to that process (the same flow, run there), a
+    refusal names the user's id, the certificate verifies; with the serving process gone the command runs it."""
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+    ws = copy_ws(token_workspace[0], tmp_path / "served")
+    first, second = scored_subjects(ws)[:2]
+    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())   # the harness's (configured) server
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--out", str(ws.root), "--cron",
+                                  "0 2 29 2 *"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    cli = [sys.executable, "-m", "flows.cli", "delete", "--out", str(ws.root), "--mode", "replay"]
+
+    def delete(*args):
+        return subprocess.run(cli + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        deadline = time.monotonic() + 180
+        while "taken by this process" not in log.read_text() and time.monotonic() < deadline:
+            assert serve.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        refused = delete("--subject-id", str(first), "--subject-id", "424242")
+        assert refused.returncode == 2 and "subject 424242" in refused.stderr, refused.stdout + refused.stderr
+        assert "sent to the process serving" in refused.stdout and not list(ws.certificates.glob("*.json"))
+        done = delete("--subject-id", str(first))
+        assert done.returncode == 0 and "sent to the process serving" in done.stdout, done.stdout + done.stderr
+        assert done.stdout.count("certificate: ") == 1
+        assert verify_certificate(ws.certificates / "000000.json") == [] and not any(scan_subject(ws, first)[0].values())
+        again = delete("--subject-id", str(first))
+        assert again.returncode == 0 and "nothing to do" in again.stdout
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+    alone = delete("--subject-id", str(second))
+    assert alone.returncode == 0 and "sent to" not in alone.stdout, alone.stdout + alone.stderr
+    assert verify_certificate(ws.certificates / "000001.json") == [] and not any(scan_subject(ws, second)[0].values())
+    assert not raw_id_hits(ws.root, [first, second])
