@@ -11,7 +11,8 @@ is sampled every 0.2 s. Printed per size: each phase's seconds and peak RSS (fro
 ``run_phases.json``); then a rerun with no new rows and a rerun after about 1 % new rows (new patients and
 late chart rows), beside the first run's time; at ``--dask-at`` the same first run on a local 2-worker Dask
 cluster; at the largest size ``forgetful delete``: a decrement of one patient, a replay of one and one replay of
-``--batch`` patients in one command, beside the first run. Last, each phase's growth exponent (the log-log slope
+``--batch`` patients in one command, each as a command of its own and sent to a serving process (``forgetful
+serve``'s deletion desk), beside the first run. Last, each phase's growth exponent (the log-log slope
 between the two largest sizes; between the two smallest beside it) and its extrapolation to all of v3.1 (and to
 2.2, a second line), the time on 16 and 64 cores with scoring on Dask, and every figure as JSON in WORK.
 """
@@ -174,25 +175,71 @@ def run_size(demo: Path, fraction: float, work: Path, env: dict, task_runner: st
     return res
 
 
-def time_deletions(ws: Path, env: dict, first_run: float, batch: int = 10) -> None:
+NEVER = "0 2 29 2 *"     # a cron schedule whose run never falls inside a bench (the night of a 29 February)
+
+
+class Served:
+    """``forgetful serve`` on a workspace until its deletion desk answers (:mod:`flows.deletion_desk`): a
+    ``forgetful delete`` then runs in that process, warm."""
+
+    def __init__(self, ws: Path, env: dict):
+        self.log = ws.with_name(ws.name + ".serve.log")
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(FORGETFUL + ["serve", "--out", str(ws), "--cron", NEVER], cwd=ROOT, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        # started: its desk answers and Prefect's runner polls for the scheduled run (a serving process runs for
+        # months; its start, which would compete with the first request for the 2 cores, is not a deletion's)
+        deadline = time.monotonic() + 600
+        while not all(line in self.log.read_text() for line in ("deletion desk answers", "is being served")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"forgetful serve did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        time.sleep(1.0)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+        self.log.unlink(missing_ok=True)
+
+
+def time_deletions(ws: Path, env: dict, first_run: float, batch: int = 10) -> dict:
     """``forgetful delete`` on copies of ``ws``: a decrement of one evaluation patient (their tokens are in the
     cohort memory, so both modes have work to do), a replay of them, and one replay of ``batch`` patients in one
-    command; each beside the first run's ``first_run`` seconds."""
+    command; each as a command of its own and sent to a serving process (``forgetful serve`` on the copy, its
+    deletion desk open: the command hands the request over), beside the first run's ``first_run`` seconds.
+    Peak RSS: of the command's process tree, and of the serving process's while it deletes."""
     from deletion.plan import scored_subjects
     from pipeline.workspace import Workspace
     subjects = scored_subjects(Workspace(ws))
-    one = None
+    one, out = {}, {}
     for mode, sids in (("decrement", subjects[:1]), ("replay", subjects[:1]), ("replay", subjects[:batch])):
-        copy = ws.with_name(ws.name + f"-del-{mode}-{len(sids)}")
-        shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(ws, copy)
-        ids = [a for s in sids for a in ("--subject-id", str(s))]
-        secs, mon, _ = forgetful(["delete", "--out", str(copy), *ids, "--mode", mode], env)
-        one = secs if mode == "replay" and len(sids) == 1 else one
-        than_one = f", {secs / one:.2f}x one replay" if mode == "replay" and len(sids) > 1 else ""
-        print(f"  forgetful delete --mode {mode:9s} of {len(sids):2d} patient(s): {secs:6.1f} s "
-              f"({secs / first_run:.1%} of the first run{than_one}), peak RSS {mon.peak():.2f} GiB", flush=True)
-        shutil.rmtree(copy, ignore_errors=True)
+        for served in (False, True):
+            copy = ws.with_name(ws.name + f"-del-{mode}-{len(sids)}")
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(ws, copy)
+            server = Served(copy, env) if served else None
+            serving = TreeRSS(server.proc.pid) if served else None
+            if serving is not None:
+                serving.start()
+            ids = [a for s in sids for a in ("--subject-id", str(s))]
+            try:
+                secs, mon, text = forgetful(["delete", "--out", str(copy), *ids, "--mode", mode], env)
+            finally:
+                if server is not None:
+                    serving.stop.set()
+                    serving.join()
+                    server.close()
+            if served and "sent to the process serving" not in text:
+                raise SystemExit(f"the deletion did not go to the serving process:\n{text[-2000:]}")
+            how = "sent to a serving process" if served else "as a command"
+            one[served] = secs if mode == "replay" and len(sids) == 1 else one.get(served)
+            than_one = f", {secs / one[served]:.2f}x one replay" if mode == "replay" and len(sids) > 1 else ""
+            peak = (serving if served else mon).peak()
+            print(f"  forgetful delete --mode {mode:9s} of {len(sids):2d} patient(s), {how:25s}: {secs:6.1f} s "
+                  f"({secs / first_run:.1%} of the first run{than_one}), peak RSS {peak:.2f} GiB", flush=True)
+            out[f"{mode} {len(sids)} {'served' if served else 'command'}"] = secs
+            shutil.rmtree(copy, ignore_errors=True)
+    return out
 
 
 def growth(results: list[dict]) -> dict:
@@ -279,7 +326,7 @@ def main(argv=None):
         [run_size(a.demo, 0.0, work, env, reruns=not a.no_reruns, clones=a.clones)]
     if not a.no_delete:
         print(f"\ndeletion at {results[-1]['stays']} stays:")
-        time_deletions(results[-1]["ws"], env, results[-1]["wall"], a.batch)
+        results[-1]["deletions"] = time_deletions(results[-1]["ws"], env, results[-1]["wall"], a.batch)
     dask = run_size(a.demo, a.dask_at, work, env, task_runner="dask", reruns=False) if a.dask_at else None
     full = growth(results)
     same = next((r for r in results if dask is not None and r["stays"] == dask["stays"]), None)

@@ -409,7 +409,10 @@ def _serve(args, params: dict) -> None:
     from memory.warmup import compile_solver
     from pipeline.workspace import Workspace
     ws = Workspace(args.out)
-    with open_desk(ws, partial(serve_deletion, str(ws.root)), warm=compile_solver) as desk:
+    def warm() -> None:
+        compile_solver()
+        print("forgetful: the deletion desk answers", flush=True)
+    with open_desk(ws, partial(serve_deletion, str(ws.root)), warm=warm) as desk:
         print(f"forgetful: deletion requests for {ws.root} are taken by this process (pid {os.getpid()})"
               if desk is not None else f"forgetful: another process takes the deletion requests for {ws.root}",
               flush=True)
