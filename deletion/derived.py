@@ -55,8 +55,10 @@ def open_view(ws: Workspace, txn: Transaction, subjects: list[int]) -> Workspace
     """The workspace as it will be after the deletion commits, as links (every writer of the run replaces
     files atomically, so a write in the view never reaches the file a link points to). The per-stay caches of
     the subjects' shards are copies: the rerun compacts them to the stays still there (the subjects' entries
-    go), and :func:`finish` stages them back, so the other stays of those shards are not recomputed."""
-    view = Workspace(txn.dir / "view")
+    go), and :func:`finish` stages them back, so the other stays of those shards are not recomputed. Per-stay
+    memory files are not linked: the view looks them up in the workspace (``Workspace.stay_memories_of``), and
+    those it writes (its rescored stays) are its own."""
+    view = Workspace(txn.dir / "view", stay_memories_of=ws.stay_memories)
     staged = {str(ws.root / op["final"]): ws.root / op["staged"] for op in txn.ops if op["op"] == "replace"}
     deleted = {str(ws.root / op["final"]) for op in txn.ops if op["op"] == "delete"}
     files = {str(f) for f in ws.store.rglob("*") if f.is_file()} | {f for f in staged if f.startswith(str(ws.store))}
@@ -76,9 +78,6 @@ def open_view(ws: Workspace, txn: Transaction, subjects: list[int]) -> Workspace
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(entry, target)
-    for f in sorted(ws.stay_memories.glob("*.npz")) if ws.stay_memories.exists() else []:
-        if str(f) not in deleted:
-            _link(f, view.stay_memories / f.name)
     return view
 
 
@@ -103,8 +102,7 @@ def finish(ws: Workspace, txn: Transaction, run: PreparedRun, memory_info: dict 
     outputs = [(view.report_html, ws.report_html), (view.report_json, ws.report_json), (view.results, ws.results),
                (view.statistics, ws.statistics)]
     outputs += [(f, ws.labels / f.name) for f in sorted(view.labels.glob("*.parquet"))]
-    outputs += [(f, ws.stay_memories / f.name) for f in sorted(view.stay_memories.glob("*.npz"))
-                if not f.is_symlink()]
+    outputs += [(f, ws.stay_memories / f.name) for f in sorted(view.stay_memories.glob("*.npz"))]
     for entry in _touched_cache(ws, subjects):
         copy = view.cache / entry.relative_to(ws.cache)
         if copy.exists():

@@ -588,8 +588,7 @@ def pending_streams(ws: Workspace, index: StayIndex, cfg: CohortConfig, plan: Sc
             if digests[sid] == NO_STREAM:
                 continue
             score_keys[sid] = plan.key(index, cfg, digests[sid])
-            if score_keys[sid] in present and (plan.memory_budget is None or
-                                               ws.stay_memory(sid, secret).exists()):
+            if score_keys[sid] in present and (plan.memory_budget is None or ws.has_stay_memory(sid, secret)):
                 hits += 1
             else:
                 todo.append(sid)

@@ -24,7 +24,7 @@ from reports.html import render_report
 from run.cohort_memory import update_cohort_memory
 from run.evaluate import evaluate, in_process_map
 from run.params import RunParams
-from tests.workspaces import copy_ws
+from tests.workspaces import copy_ws, scored_subjects
 
 PARAMS = RunParams(budgets=(8, 32), fractions=(0.1,), cohort_budget=24, chunk_stays=4, source="the generator")
 
@@ -240,3 +240,18 @@ def test_a_store_of_many_shards_runs_and_deletes_as_one_of_sixteen(full, tmp_pat
     assert {n for n, t in before.items() if not (ws.store / "data" / n).exists()
             or (ws.store / "data" / n).stat().st_mtime_ns != t} <= touched
     assert_equal_workspaces(ws, never_saw(source, tmp_path, sids))
+
+
+def test_a_replay_of_an_evaluation_patient_rescores_no_other_stay(full, tmp_path):
+    """The training split is unchanged, so the rare vocabulary, the streaming setting and the scaling are: the
+    rerun over the deletion's view finds every other stay's scores and memory file (looked up in the workspace,
+    not linked into the view) and rewrites none of them."""
+    source, base = full
+    ws = copy_ws(base, tmp_path / "ws")
+    sid = scored_subjects(ws)[0]                    # an evaluation patient with per-stay memories
+    before = {f.name: f.stat().st_mtime_ns for f in ws.stay_memories.glob("*.npz")}
+    cert, _ = delete_subject(ws, sid, mode="replay")
+    after = {f.name: f.stat().st_mtime_ns for f in ws.stay_memories.glob("*.npz")}
+    assert cert["removed"]["per_stay_memories"] > 0
+    assert len(after) == len(before) - cert["removed"]["per_stay_memories"]
+    assert after == {name: t for name, t in before.items() if name in after}
