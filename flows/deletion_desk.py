@@ -150,6 +150,7 @@ class DeletionDesk:
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self._lock_fd: int | None = None
+        self._releasing = threading.Lock()
 
     def open(self) -> bool:
         """Take the desk (False when another process holds it: that one answers) and start answering."""
@@ -184,21 +185,27 @@ class DeletionDesk:
                 pass
 
     def _answer(self) -> None:
-        if self.warm is not None:
-            self.warm()             # what a request's first steps would load (the compiled solver), loaded now
-        requests, taken, replies = _folders(self.ws)
-        while not self.stopping.is_set():
-            for path in sorted(requests.glob("*.json"), key=_mtime):
-                claimed = taken / path.name
-                try:
-                    os.rename(path, claimed)
-                except FileNotFoundError:
-                    continue                # withdrawn by its command
-                _write_whole(replies / path.name, self._outcome(claimed))
-                claimed.unlink(missing_ok=True)
-                if self.stopping.is_set():
-                    return
-            self.stopping.wait(self.poll)
+        try:
+            if self.warm is not None:
+                self.warm()         # what a request's first steps would load (the compiled solver), loaded now
+            requests, taken, replies = _folders(self.ws)
+            while not self.stopping.is_set():
+                for path in sorted(requests.glob("*.json"), key=_mtime):
+                    claimed = taken / path.name
+                    try:
+                        os.rename(path, claimed)
+                    except FileNotFoundError:
+                        continue            # withdrawn by its command
+                    _write_whole(replies / path.name, self._outcome(claimed))
+                    claimed.unlink(missing_ok=True)
+                    if self.stopping.is_set():
+                        return
+                self.stopping.wait(self.poll)
+        except Exception:
+            # a desk that cannot answer must not look open: commands would wait on it for ever
+            logging.getLogger("forgetful").exception("the deletion desk of %s stopped", self.ws.root)
+        finally:
+            self._release()
 
     def _outcome(self, claimed: Path) -> DeletionOutcome:
         try:
@@ -212,10 +219,14 @@ class DeletionDesk:
         self.stopping.set()
         if self.thread is not None:
             self.thread.join()
-        if self._lock_fd is not None:
-            (self.ws.desk / "desk.json").unlink(missing_ok=True)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._release()
+
+    def _release(self) -> None:
+        with self._releasing:
+            if self._lock_fd is not None:
+                (self.ws.desk / "desk.json").unlink(missing_ok=True)
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
 
 @dataclass(frozen=True)

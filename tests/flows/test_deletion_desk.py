@@ -57,6 +57,16 @@ def test_requests_are_answered_one_at_a_time_in_the_order_sent(tmp_path):
     assert order == list(HASHES) and {h: o.certificates for h, o in outs.items()} == {h: (h,) for h in HASHES}
 
 
+def test_a_desk_whose_thread_fails_stops_looking_open_and_the_command_runs_the_request(tmp_path):
+    ws = Workspace(tmp_path / "ws")
+
+    def warm():
+        raise OSError("cannot load the compiled solver")
+    with open_desk(ws, lambda r: DeletionOutcome(), warm=warm) as desk:
+        desk.thread.join(timeout=10)
+        assert desk_pid(ws) is None and submit(ws, DeletionRequest(HASHES)) is None
+
+
 def test_a_second_desk_on_the_same_workspace_is_refused(tmp_path):
     ws = Workspace(tmp_path / "ws")
     with open_desk(ws, lambda r: DeletionOutcome()) as first, open_desk(ws, lambda r: DeletionOutcome()) as second:
