@@ -421,24 +421,95 @@ def declared_settings(cfg: CohortConfig) -> StreamingSettings | None:
     return StreamingSettings(st.nu, st.sigma) if st.declared else None
 
 
-def _grid_rows(cache: StayCache, shard: int, streams: list[TokenStream], cfg: CohortConfig, grid_cfg_key: str) -> list:
-    """Per training stream its grid scores, from the cache or computed now (and cached): (stay_id, scores)."""
+def _grid_rows(cache: StayCache, shard: int, selects: dict[int, str], streams: dict[int, TokenStream],
+               cfg: CohortConfig, grid_cfg_key: str) -> tuple[list, int]:
+    """Per selecting training stay (``selects``: stay_id -> the digest of what the grid reads of its stream) its
+    grid scores, from the cache or computed now from its stream in ``streams`` (and cached): (stay_id, scores)."""
     present = cache.keys(shard)
-    label = [cfg.streaming.select_label]     # the grid reads that label and its key set only
-    keys = {s.stay_id: _digest(stream_digest(s, label), grid_cfg_key) for s in streams}
+    keys = {sid: _digest(d, grid_cfg_key) for sid, d in selects.items()}
     known = cache.read(shard, [k for k in keys.values() if k in present])
     known = {} if known is None else {k: list(zip(g.sort("j")["retention"], g.sort("j")["certified"]))
                                       for (k,), g in known.group_by(["key"])}
     out, new = [], []
-    for s in streams:
-        scores = known.get(keys[s.stay_id])
+    for sid in sorted(selects):
+        scores = known.get(keys[sid])
         if scores is None:
-            scores = grid_scores(s, cfg.streaming)
-            new.append(pl.DataFrame({"key": [keys[s.stay_id]] * len(scores), "j": list(range(len(scores))),
+            scores = grid_scores(streams[sid], cfg.streaming)
+            new.append(pl.DataFrame({"key": [keys[sid]] * len(scores), "j": list(range(len(scores))),
                                      "retention": [r for r, _ in scores], "certified": [c for _, c in scores]}))
-        out.append((s.stay_id, scores))
+        out.append((sid, scores))
     cache.update(shard, set(keys.values()), new)
     return out, len(new)
+
+
+def _label_keys(index: StayIndex, rows: pl.DataFrame) -> dict[int, str]:
+    """Per stay of ``rows`` (one shard's) the key of its labelled tokens: its rare key (its rows, config, code and
+    rare codes) and the token scaling, what :func:`labelled_shard` makes them from."""
+    scaling = _digest(index.scaling.as_dict())
+    return {sid: _digest(rk, scaling) for sid, rk in zip(rows["stay_id"].to_list(), rows["rare_key"].to_list())}
+
+
+@dataclass
+class _ShardLabels:
+    """One shard's label rows (stay_id, subject_id, split, hour, time and a column per label), the streaming
+    grid's scores of its selecting training stays, and how many stays were labelled now."""
+    rows: pl.DataFrame
+    grid: list
+    labelled: int
+    grid_computed: int
+
+
+def _shard_labels(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: int, sample: set[int] | None,
+                  grid_cfg_key: str) -> _ShardLabels:
+    """The shard's label rows from the ``labelled`` cache (per stay its hours' labels, by :func:`_label_keys`,
+    and a marker row holding the digest the streaming grid reads of its stream, when it is a training stay the
+    setting is chosen on), labelling only the stays missing there: a night's run or a deletion labels the stays
+    it changed, not the cohort. ``sample``: the training stays the setting is chosen on (None: it is declared)."""
+    specs = list(cfg.labels)
+    rows = index.shard_rows(shard)
+    cache, grid_cache = StayCache(ws, "labelled"), StayCache(ws, "grid")
+    keys = _label_keys(index, rows)
+    known = cache.read(shard, set(keys.values())) if rows.height else None
+    marked = {} if known is None else dict(known.filter(pl.col("hour").is_null()).select("key", "select").iter_rows())
+    chosen_on = [sid for sid in keys if sample is not None and sid in sample]
+    grid_present = grid_cache.keys(shard) if chosen_on else set()
+    # a selecting stay is labelled again when the digest its grid scores are cached under is unknown or unscored
+    need = {sid for sid, k in keys.items() if k not in marked}
+    need |= {sid for sid in chosen_on if marked.get(keys[sid]) is None or
+             (marked[keys[sid]] and _digest(marked[keys[sid]], grid_cfg_key) not in grid_present)}
+    tok = labelled_shard(ws, index, cfg, shard, stay_ids=sorted(need)) if need else pl.DataFrame()
+    streams = {s.stay_id: s for s in token_streams(tok.filter(pl.col("stay_id").is_in(
+        pl.Series(chosen_on, dtype=pl.Int64).implode())), index.scaling, cfg, split="train")} \
+        if tok.height and chosen_on else {}
+    label = cfg.streaming.select_label
+    fresh_selects = {sid: stream_digest(streams[sid], [label]) if sid in streams and
+                     selects_on(streams[sid], cfg.streaming) else "" for sid in chosen_on if sid in need}
+    new = [pl.DataFrame({"key": [keys[sid] for sid in sorted(need)], "hour": [None] * len(need),
+                         "select": [fresh_selects.get(sid) for sid in sorted(need)]},
+                        schema={"key": pl.String, "hour": pl.Int64, "select": pl.String})]
+    keyed = pl.DataFrame({"stay_id": list(keys), "key": list(keys.values())},
+                         schema={"stay_id": pl.Int64, "key": pl.String})
+    columns = ["stay_id", "subject_id", "split", "hour", "time", *specs]
+    parts = []
+    if tok.height:
+        parts.append(tok.select(columns))
+        new.append(tok.join(keyed, on="stay_id").select("key", "hour", *specs))
+    kept = set(keys.values()) - {keys[sid] for sid in need}
+    if known is not None and kept:
+        hours = int(3600 * cfg.bin_hours)
+        cached = (known.filter(pl.col("hour").is_not_null() & pl.col("key").is_in(
+            pl.Series(sorted(kept), dtype=pl.String).implode()))
+                  .join(keyed, on="key").join(rows.select("stay_id", "subject_id", "split", "intime"), on="stay_id")
+                  .with_columns((pl.col("intime") + pl.duration(seconds=pl.col("hour") * hours)).alias("time")))
+        parts.append(cached.select(columns))
+    cache.update(shard, kept, new)
+    selects = {sid: fresh_selects[sid] if sid in need else marked[keys[sid]] for sid in chosen_on}
+    # (a shard without selecting stays keeps no grid scores: those of stays that left the sample go)
+    grid, computed = _grid_rows(grid_cache, shard, {sid: d for sid, d in selects.items() if d}, streams, cfg,
+                                grid_cfg_key) if sample is not None and (chosen_on or grid_cache.parts(shard)) \
+        else ([], 0)
+    frame = pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame()
+    return _ShardLabels(frame, grid, len(need), computed)
 
 
 def label_run(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays: int = 256,
@@ -457,9 +528,10 @@ def label_run(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays: i
     sample = _selection_sample(index, cfg) if settings is None else set()
     grid_cfg_key = _digest(asdict(replace(cfg.streaming, select_max_stays=None)),
                            code_digest())
-    grid, per_stay, computed = [], [], 0
+    grid, per_stay, computed, labelled = [], [], 0, 0
     for shard in index.sharding.shards():
-        tok = labelled_shard(ws, index, cfg, shard)
+        part = _shard_labels(ws, index, cfg, shard, sample if settings is None else None, grid_cfg_key)
+        tok = part.rows
         if tok.height:
             ends = tok.with_columns((pl.col("time") + pl.duration(
                 microseconds=round(cfg.bin_hours * 3_600_000_000))).alias("prediction_time"))
@@ -467,17 +539,14 @@ def label_run(ws: Workspace, index: StayIndex, cfg: CohortConfig, chunk_stays: i
                 files.write(n, ends.select("subject_id", "prediction_time", pl.col(n).alias("boolean_value")))
             per_stay.append(tok.group_by("stay_id", "split").agg(pl.len().alias("tokens"),
                                                                  *[pl.col(n).cast(pl.Int64).sum() for n in specs]))
-            if settings is None:
-                train = tok.filter(pl.col("stay_id").is_in(pl.Series(sorted(sample), dtype=pl.Int64).implode()))
-                streams = [s for s in token_streams(train, index.scaling, cfg, split="train")
-                           if selects_on(s, cfg.streaming)]
-                scores, n_new = _grid_rows(StayCache(ws, "grid"), shard, streams, cfg, grid_cfg_key)
-                grid += scores
-                computed += n_new
+        grid += part.grid
+        computed += part.grid_computed
+        labelled += part.labelled
         if on_shard is not None:
             on_shard(index.shard_rows(shard).height)
     files.close()
     index.computed["grid"] = computed
+    index.computed["labels"] = labelled
     index.settings = settings or choose_settings([s for _, s in sorted(grid)], cfg.streaming)
     return _summary(ws, index, cfg, pl.concat(per_stay) if per_stay else None)
 
@@ -542,8 +611,7 @@ def _stream_digests(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: i
     a night's run builds the changed stays' streams, not the cohort's. Returns the digests, ``streams(stay_ids)``,
     those stays' streams (each built once), and how many stays' streams were built for their digest."""
     cache = StayCache(ws, "streams")
-    scaling = _digest(index.scaling.as_dict())
-    keys = {sid: _digest(rk, scaling) for sid, rk in zip(rows["stay_id"].to_list(), rows["rare_key"].to_list())}
+    keys = _label_keys(index, rows)
     known = cache.read(shard, set(keys.values()))
     known = {} if known is None else dict(zip(known["key"].to_list(), known["digest"].to_list()))
     digests = {sid: known[k] for sid, k in keys.items() if k in known}

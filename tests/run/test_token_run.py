@@ -88,7 +88,7 @@ def test_reruns_recompute_only_what_changed_and_equal_a_fresh_run(source, tmp_pa
     first, _, _ = _run(ws, cfg)
     assert first.computed["tokens"] == first.cohort.height
     again, _, rows_again = _run(ws, cfg)
-    assert again.computed == {"tokens": 0, "rare": 0, "grid": 0, "streams": 0, "scores": 0}
+    assert again.computed == {"tokens": 0, "rare": 0, "labels": 0, "grid": 0, "streams": 0, "scores": 0}
     assert rows_again.equals(_run(ws, cfg)[2])
     grown = _with_new_rows(source, tmp_path)
     extract(grown, ws.store, key=load_key())
@@ -101,9 +101,12 @@ def test_reruns_recompute_only_what_changed_and_equal_a_fresh_run(source, tmp_pa
     assert later.rare != first.rare
     assert later.computed["rare"] < later.cohort.height
     assert later.computed["streams"] < int((later.cohort["split"] == "eval").sum())
+    assert later.computed["labels"] < later.cohort.height
     fresh_ws = _workspace(tmp_path, "fresh", grown)
     fresh, fresh_summary, fresh_rows = _run(fresh_ws, cfg)
     assert rows.equals(fresh_rows)
+    for f in sorted(fresh_ws.labels.glob("*.parquet")):     # the labels cached per stay give the same files
+        assert pl.read_parquet(ws.labels / f.name).equals(pl.read_parquet(f)), f.name
     assert summary["characteristics"] == fresh_summary["characteristics"]
     assert (later.settings.nu, later.settings.sigma) == (fresh.settings.nu, fresh.settings.sigma)
 
@@ -115,7 +118,7 @@ def test_after_late_rows_of_one_stay_only_its_stream_is_built_again(source, tmp_
     late = _with_new_rows(source, tmp_path, n_patients=24)
     extract(late, ws.store, key=load_key())
     later, _, rows = _run(ws, cfg)
-    assert later.computed["tokens"] == 1 and later.computed["streams"] <= 1
+    assert later.computed["tokens"] == 1 and later.computed["streams"] <= 1 and later.computed["labels"] == 1
     assert first.computed["streams"] == int((first.cohort["split"] == "eval").sum())
     assert rows.equals(_run(_workspace(tmp_path, "fresh", late), cfg)[2])
 
