@@ -247,9 +247,10 @@ def bootstrap_cis(samples: list, n_boot: int = 10_000, seed: int = 0, level: flo
             block = np.ascontiguousarray(X[:, cols])
             return np.concatenate([resampled_means(block, b) for b in blocks])
         means = _by_columns(resampled, X.shape[1])
+        # every column's quantiles at once: the same partition and interpolation per column as one by one
+        limits = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2], axis=0)
         for j, (i, _) in enumerate(group):
-            lo, hi = np.quantile(means[:, j], [(1 - level) / 2, 1 - (1 - level) / 2])
-            out[i] = float(lo), float(hi)
+            out[i] = float(limits[0, j]), float(limits[1, j])
     return out
 
 
