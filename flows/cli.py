@@ -368,7 +368,7 @@ def _report_outcome(outcome, by_hash: dict[str, int], args) -> int:
               file=sys.stderr)
         return outcome.failure_status
     if outcome.already_deleted is not None:
-        print(f"forgetful: nothing to do: {outcome.already_deleted}")
+        print(f"forgetful: nothing to do: {named(outcome.already_deleted)}")
         return 0
     skipped = {h: outcome.skipped[h[:12]] for h in by_hash if h[:12] in outcome.skipped}
     for h, why in skipped.items():
