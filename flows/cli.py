@@ -14,8 +14,12 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from run.params import DEFAULT_CRON, TASK_RUNNERS, RunParams, StreamMode
+
+if TYPE_CHECKING:
+    from flows.deletion_desk import DeletionOutcome
 
 DEFAULTS = RunParams()
 LAST_RUN = "the workspace's last run's (WS/run.json), else"
@@ -332,7 +336,7 @@ def _delete(args, server):
     with shared_api_server(server):
         state = delete_patients(args.out, list(by_hash), mode=args.mode, wait_seconds=args.wait,
                                 compare_with_replay=not args.no_replay_comparison, return_state=True)
-    return _report_outcome(deletion_outcome(state), by_hash, args)
+    return _report_outcome(deletion_outcome(state), by_hash)
 
 
 def _send_to_desk(args) -> int | None:
@@ -352,11 +356,11 @@ def _send_to_desk(args) -> int | None:
     outcome = submit(ws, DeletionRequest(tuple(by_hash), mode=args.mode, wait_seconds=args.wait,
                                          compare_with_replay=not args.no_replay_comparison,
                                          skip_unknown=args.skip_unknown))
-    return None if outcome is None else _report_outcome(outcome, by_hash, args)
+    return None if outcome is None else _report_outcome(outcome, by_hash)
 
 
-def _report_outcome(outcome, by_hash: dict[str, int], args) -> int:
-    """A deletion's outcome (:class:`flows.deletion_desk.DeletionOutcome`) in the command's lines and exit status.
+def _report_outcome(outcome: DeletionOutcome, by_hash: dict[str, int]) -> int:
+    """A deletion's outcome in the command's lines and exit status.
     The flow names subjects by hash prefix; the command, which holds the ids it was given, adds whose each is."""
     def named(text: str) -> str:
         return text + "".join(f" [hash {h[:12]}... is subject {sid}]" for h, sid in by_hash.items() if h[:12] in text)
@@ -409,6 +413,7 @@ def _serve(args, params: dict) -> None:
     from memory.warmup import compile_solver
     from pipeline.workspace import Workspace
     ws = Workspace(args.out)
+
     def warm() -> None:
         compile_solver()
         print("forgetful: the deletion desk answers", flush=True)
