@@ -478,6 +478,8 @@ def test_serve_takes_the_workspaces_deletion_requests_in_its_own_process(token_w
     import time
 
     from prefect.settings import PREFECT_API_URL
+
+    from flows.deletion_desk import DeletionRequest, submit
     ws = copy_ws(token_workspace[0], tmp_path / "served")
     first, second = scored_subjects(ws)[:2]
     env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())   # the harness's (configured) server
@@ -503,6 +505,11 @@ def test_serve_takes_the_workspaces_deletion_requests_in_its_own_process(token_w
         assert verify_certificate(ws.certificates / "000000.json") == [] and not any(scan_subject(ws, first)[0].values())
         again = delete("--subject-id", str(first))
         assert again.returncode == 0 and "nothing to do" in again.stdout
+        # a flow that fails, not a refusal (a mode the command line would not let through): answered in one line
+        # with the exit status the command would give it, and the desk goes on
+        failed = submit(ws, DeletionRequest((hash_of(second),), mode="bogus"))
+        assert failed.failure.startswith("ValueError: mode must be one of") and failed.failure_status == 2
+        assert any(scan_subject(ws, second)[0].values())          # nothing of them was deleted
     finally:
         serve.terminate()
         serve.wait(timeout=60)
