@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.transaction import atomic_write_text
 from pipeline.workspace import Workspace
 
 POLL_SECONDS = 0.05
@@ -79,9 +80,7 @@ class DeletionOutcome:
 
 
 def _write_whole(path: Path, record) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(asdict(record)))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(asdict(record)))      # its temporary name is no *.json: never taken half
 
 
 def _folders(ws: Workspace) -> tuple[Path, Path, Path]:

@@ -45,12 +45,13 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PE
                             bigint, csv_reader, dictionary_selects, event_selects, header_names,
                             quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, ShardWriter,
-                   atomic_write_text, code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob,
+                   code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob,
                    is_meds_dataset, meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files,
                    shard_of, shard_path, shard_table, splice_shard, stage_meds, stays_path, write_codes_metadata,
                    write_dataset_metadata)
 from .migrate import check_format, mark_current
 from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
+from .transaction import atomic_write_text
 from .shard_changes import file_state, record_splice
 from .sharding import Sharding, is_recorded
 

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from .extract_rules import sql_literal
 from .sharding import Sharding
+from .transaction import atomic_write_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -393,14 +394,6 @@ def meds_shards(source: Path) -> list[Path]:
             if not ok(schema.field(col).type):
                 raise MedsSourceError(f"{p}: column {col!r} is {schema.field(col).type}, MEDS wants {want}")
     return shards
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (readers see the old or the new file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _atomic_table(table: pa.Table, path: Path, options: dict | None = None) -> None:

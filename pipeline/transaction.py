@@ -25,6 +25,14 @@ def crash_point(step: str) -> None:
         os._exit(137)
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readers see the old or the new file; the
+    temporary name ends in ``.tmp``, so a glob of the final names never sees it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
 class Transaction:
     def __init__(self, root: Path, name: str | None = None):
         self.root = Path(root)
@@ -46,9 +54,7 @@ class Transaction:
         self.ops.append({"op": "delete", "final": str(final.resolve().relative_to(self.root.resolve()))})
 
     def commit(self) -> None:
-        tmp = self.dir / "journal.json.tmp"
-        tmp.write_text(json.dumps({"ops": self.ops}))
-        os.replace(tmp, self.dir / "journal.json")
+        atomic_write_text(self.dir / "journal.json", json.dumps({"ops": self.ops}))
         crash_point("journal_written")
         apply_journal(self.root, self.dir)
 

@@ -24,8 +24,9 @@ from cohorts.stream_mode import StreamMode
 from cohorts.streams import evaluation_streams
 from pipeline import progress
 from pipeline.extract import scan_events
-from pipeline.meds import atomic_write_text, subject_splits_path, write_subject_splits
+from pipeline.meds import subject_splits_path, write_subject_splits
 from pipeline.privacy import id_refs, store_key
+from pipeline.transaction import atomic_write_text
 from pipeline.versions import code_version
 
 from .token_run import ScoringPlan, StayIndex, label_run, pending_streams, stay_facts, store_scores, write_results
