@@ -116,6 +116,12 @@ class TokenTable:
     bin_hours: float
 
 
+def bin_time(hours_per_bin: float) -> pl.Expr:
+    """A token's time, the start of its bin: the stay's ``intime`` plus ``hour`` bins (every place that dates a
+    token, a cached one included, computes it so, to the microsecond)."""
+    return (pl.col("intime") + pl.duration(seconds=pl.col("hour") * int(3600 * hours_per_bin))).alias("time")
+
+
 def reading_spec(channels: list[Channel], vocabulary: list[str]) -> pl.DataFrame:
     """(code, channel, scale, offset, lo, hi) per store code a channel reads: patterns become the store's codes
     they match, so readings join on exact codes."""
@@ -160,8 +166,7 @@ def filled_tokens(events: pl.LazyFrame, spec: pl.DataFrame, cohort: pl.DataFrame
                             pl.col("event_hash").fill_null(pl.lit([], dtype=pl.List(pl.String))),
                             pl.col("occurrence").fill_null(pl.lit([], dtype=pl.List(pl.Int64))))
               .join(cohort.select("stay_id", "subject_id", "split", "intime").lazy(), on="stay_id")
-              .with_columns((pl.col("intime") + pl.duration(seconds=pl.col("hour") * int(3600 * hours_per_bin)))
-                            .alias("time"))
+              .with_columns(bin_time(hours_per_bin))
               .select("stay_id", "subject_id", "split", "hour", "time", *names, "readings", "event_hash",
                       "occurrence")
               .sort("stay_id", "hour")

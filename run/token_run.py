@@ -35,7 +35,8 @@ from cohorts.protocols import (StreamingSettings, TokenStream, choose_settings, 
                                token_streams)
 from cohorts.stay_chunks import (STAY_ROW, StayChunk, chunk_digests, chunk_events, chunk_scan, chunks_events,
                                  code_digest, in_windows, plan_chunks, stay_digests)
-from cohorts.tokens import TokenScaling, check_scaling, declared_scaling, filled_tokens, reading_spec, threshold_expr
+from cohorts.tokens import (TokenScaling, bin_time, check_scaling, declared_scaling, filled_tokens, reading_spec,
+                            threshold_expr)
 from pipeline.extract import store_codes
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import LabelFiles, shard_path
@@ -361,9 +362,8 @@ def labelled_shard(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: in
     tokens = StayCache(ws, "tokens").read(shard, rows["key"].to_list())
     if tokens is None or rows.height == 0:
         return pl.DataFrame()
-    tok = (tokens.join(rows.select("key", "stay_id", "subject_id", "split", "intime"), on="key")
-           .with_columns((pl.col("intime") + pl.duration(seconds=pl.col("hour") * int(3600 * hours_per_bin)))
-                         .alias("time")))
+    tok = tokens.join(rows.select("key", "stay_id", "subject_id", "split", "intime"), on="key") \
+        .with_columns(bin_time(hours_per_bin))
     tok = index.scaling.impute(tok)
     specs = cfg.labels
     tok = tok.with_columns(threshold_expr(s["thresholds"]).alias(n) for n, s in specs.items() if "thresholds" in s)
@@ -496,11 +496,10 @@ def _shard_labels(ws: Workspace, index: StayIndex, cfg: CohortConfig, shard: int
         new.append(tok.join(keyed, on="stay_id").select("key", "hour", *specs))
     kept = set(keys.values()) - {keys[sid] for sid in need}
     if known is not None and kept:
-        hours = int(3600 * cfg.bin_hours)
         cached = (known.filter(pl.col("hour").is_not_null() & pl.col("key").is_in(
             pl.Series(sorted(kept), dtype=pl.String).implode()))
                   .join(keyed, on="key").join(rows.select("stay_id", "subject_id", "split", "intime"), on="stay_id")
-                  .with_columns((pl.col("intime") + pl.duration(seconds=pl.col("hour") * hours)).alias("time")))
+                  .with_columns(bin_time(cfg.bin_hours)))
         parts.append(cached.select(columns))
     cache.update(shard, kept, new)
     selects = {sid: fresh_selects[sid] if sid in need else marked[keys[sid]] for sid in chosen_on}
