@@ -327,16 +327,20 @@ def _verify(args):
 def _delete(args, server):
     from flows.api_server import shared_api_server
     from flows.prefect_flows import delete_patients, deletion_outcome
-    from pipeline.privacy import keyed_hash, store_key
     from pipeline.workspace import Workspace
-    ws = Workspace(args.out)
-    # the raw ids stay in this process: the flow (and Prefect's database) gets the keyed hashes
-    key = store_key(ws.store, ws.root)
-    by_hash = {keyed_hash(sid, key): sid for sid in args.subject_ids}
+    by_hash = _ids_by_hash(Workspace(args.out), args.subject_ids)
     with shared_api_server(server):
         state = delete_patients(args.out, list(by_hash), mode=args.mode, wait_seconds=args.wait,
                                 compare_with_replay=not args.no_replay_comparison, return_state=True)
     return _report_outcome(deletion_outcome(state), by_hash)
+
+
+def _ids_by_hash(ws, subject_ids: list[int]) -> dict[str, int]:
+    """The subjects' keyed hashes (what a deletion flow, Prefect's database and a desk's request see: the raw ids
+    stay in this process), each with its id."""
+    from pipeline.privacy import keyed_hash, store_key
+    key = store_key(ws.store, ws.root)
+    return {keyed_hash(sid, key): sid for sid in subject_ids}
 
 
 def _send_to_desk(args) -> int | None:
@@ -349,9 +353,7 @@ def _send_to_desk(args) -> int | None:
     pid = desk_pid(ws)
     if pid is None or not ws.store.exists():
         return None
-    from pipeline.privacy import keyed_hash, store_key
-    key = store_key(ws.store, ws.root)
-    by_hash = {keyed_hash(sid, key): sid for sid in args.subject_ids}
+    by_hash = _ids_by_hash(ws, args.subject_ids)
     print(f"forgetful: sent to the process serving {ws.root} (pid {pid})")
     outcome = submit(ws, DeletionRequest(tuple(by_hash), mode=args.mode, wait_seconds=args.wait,
                                          compare_with_replay=not args.no_replay_comparison,
