@@ -152,19 +152,23 @@ def _read_whole_tables(con, paths) -> None:
 
 def _check_stays(con, path, empty: str = "no ICU stays (a header only): every ICU event would be quarantined "
                                              "as unknown_stay") -> None:
-    """The stay table defines every ICU event's stay: an empty one, or a row without a numeric stay and subject
-    id or a parsable window, is an error (it would quarantine or mis-attribute every event of those stays)."""
+    """The stay table defines every ICU event's stay. An empty one is an error (it would quarantine every ICU
+    event); a row without a numeric stay and subject id or a parsable window (a malformed row, a repeated header
+    line) is left out of it, its events quarantined with their reason (``bad_subject_id``, ``bad_stay_id``,
+    ``unparsable_time``, or ``unknown_stay`` for the events it would have held): one row never stops a run."""
     n, = con.execute("SELECT count(*) FROM stays").fetchone()
     if n == 0:
         raise ExtractionError(f"{path}: {empty}")
-    # counts per field, no values: an id in a message would reach logs and Prefect's database
     counts = con.execute("SELECT count(*) FILTER (WHERE subject_id IS NULL), count(*) FILTER (WHERE stay_id IS NULL), "
                          "count(*) FILTER (WHERE intime IS NULL OR outtime IS NULL) FROM stays").fetchone()
-    bad = {f: n for f, n in zip(("non-numeric or missing subject_id", "non-numeric or missing stay_id",
-                                 "unparsable or missing intime/outtime"), counts) if n}
+    bad = {f: k for f, k in zip(("non-numeric or missing subject_id", "non-numeric or missing stay_id",
+                                 "unparsable or missing intime/outtime"), counts) if k}
     if bad:
-        raise ExtractionError(f"{path}: stay rows the stay table cannot use: "
-                              + ", ".join(f"{n} with a {f}" for f, n in bad.items()))
+        con.execute("DELETE FROM stays WHERE subject_id IS NULL OR stay_id IS NULL OR intime IS NULL "
+                    "OR outtime IS NULL")
+        if not con.execute("SELECT count(*) FROM stays").fetchone()[0]:
+            # counts per field, no values: an id in a message would reach logs and Prefect's database
+            raise ExtractionError(f"{path}: no usable ICU stay: " + ", ".join(f"{k} with a {f}" for f, k in bad.items()))
 
 
 def _header(con, path):
@@ -302,7 +306,7 @@ STAGED_COLUMNS = ("subject_id", "raw_time", "time", "code", "numeric_value", "te
 
 def _stage_rows(con, select: str, staging: Path, sharding: Sharding, params: list | None = None) -> int:
     """Write ``select``'s rows (the staged columns) once into ``staging``, partitioned by the subject's shard
-    (``bucket=K/``, ``bucket=NULL/`` for rows without a subject); the rows written. Every later step reads one
+    (``bucket=K/``; rows without a subject in DuckDB's null partition); the rows written. Every later step reads one
     shard's rows at a time, so no step holds or scans the whole of a changed table."""
     staging.mkdir(parents=True, exist_ok=True)
     n = con.execute(f"""COPY (SELECT *, {sharding.sql('subject_id')} AS bucket FROM ({select}))
@@ -369,7 +373,8 @@ def _staged_buckets(staging: Path) -> list[tuple[int | None, list[Path]]]:
     found = {}
     for d in staging.glob("*/bucket=*") if staging.exists() else []:
         value = d.name.split("=", 1)[1]
-        found.setdefault(None if value == "NULL" else int(value), []).append(d)
+        # the null partition's name changed with DuckDB 2 ("NULL" before): any name not a shard number is it
+        found.setdefault(int(value) if value.isdigit() else None, []).append(d)
     return sorted(found.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
 
 

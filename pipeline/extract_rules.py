@@ -278,6 +278,7 @@ def quarantine_reason() -> str:
     static = f"(e.source_table = 'meds_static' OR starts_with(e.code, '{STATIC_CODE_PREFIX}'))"
     return f"""CASE
         WHEN e.subject_id IS NULL THEN 'bad_subject_id'
+        WHEN e.source_table = 'icustays' AND e.stay_id IS NULL THEN 'bad_stay_id'
         WHEN (e.raw_time IS NULL OR e.raw_time = '') AND NOT {static} THEN 'missing_time'
         WHEN e.time IS NULL AND NOT {static} THEN 'unparsable_time'
         WHEN e.raw_numeric IS NOT NULL AND e.raw_numeric <> '' AND e.numeric_value IS NULL THEN 'unparsable_value'

@@ -400,8 +400,9 @@ BAD_INPUTS = {
     "latin-1": ("hosp/labevents.csv.gz", lambda p: _rewrite_gz(p, _latin1), "not UTF-8"),
     "ragged row": ("icu/chartevents.csv.gz", lambda p: _rewrite_gz(p, _ragged), "more or fewer fields"),
     "empty file": ("icu/outputevents.csv.gz", lambda p: p.write_bytes(gzip.compress(b"")), "the file is empty"),
-    "non-numeric stay subject": ("icu/icustays.csv.gz", lambda p: _rewrite_gz(p, _bad_stay_subject),
-                                 "1 with a non-numeric or missing subject_id"),
+    "no usable stay": ("icu/icustays.csv.gz",
+                       lambda p: _rewrite_gz(p, lambda lines: "\n".join([lines[0], lines[0]]).encode()),
+                       "no usable ICU stay: 1 with a non-numeric or missing subject_id"),
     "no stays": ("icu/icustays.csv.gz", lambda p: _rewrite_gz(p, lambda lines: (lines[0] + "\n").encode()),
                  "no ICU stays"),
 }
@@ -417,3 +418,26 @@ def test_a_damaged_source_file_is_one_message_naming_it_and_nothing_is_written(s
         extract(src, tmp_path / "out")
     assert str(e.value).startswith(str(src / rel)) and message in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def _repeated_header(lines):
+    return "\n".join(lines + [lines[0]]).encode()
+
+
+def test_a_malformed_row_goes_to_the_quarantine_and_never_stops_a_run(source, tmp_path):
+    """The audit's case: a non-numeric subject_id (or a repeated header line) fell in DuckDB 2's null partition,
+    named __HIVE_DEFAULT_PARTITION__, and every run failed on int() of it; a bad stay row refused the run."""
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    for rel in ("icu/chartevents.csv.gz", "icu/icustays.csv.gz"):
+        _rewrite_gz(src / rel, lambda lines: _repeated_header(_bad_stay_subject(lines).decode().splitlines()))
+    s = extract(src, tmp_path / "out")
+    assert s.tables["chartevents"]["quarantined"]["bad_subject_id"] == 2
+    assert s.tables["icustays"]["quarantined"]["bad_subject_id"] == 4     # two rows, two events each
+    quarantine = pl.read_parquet(tmp_path / "out" / "quarantine" / "*.parquet")
+    assert "abc" not in quarantine["raw_time"].to_list() and quarantine["subject_id"].null_count() == 6
+    stays = pl.read_parquet(tmp_path / "out" / "stays.parquet")
+    assert stays["subject_id"].null_count() == 0 and stays.height == csv_rows(source / "icu" / "icustays.csv.gz") - 1
+    again = extract(src, tmp_path / "out")          # a rerun reads nothing new and quarantines nothing twice
+    assert again.new_events == 0
+    assert pl.read_parquet(tmp_path / "out" / "quarantine" / "*.parquet").height == quarantine.height
