@@ -294,6 +294,9 @@ def _extract(args):
     from pipeline.locking import workspace_lock
     from pipeline.meds import MedsStayCodes
     from pipeline.privacy import load_key
+    from run.params import check_memory_limit
+    if args.memory_limit is not None:
+        check_memory_limit(args.memory_limit)
     ws = Path(args.out).resolve().parent
     stay_codes = MedsStayCodes.from_spec(load_config(resolve_config(args.config)).section("meds_source")
                                          if args.config else None)

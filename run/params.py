@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -17,6 +18,34 @@ from cohorts.stream_mode import StreamMode
 DEFAULT_CRON = "0 2 * * *"          # the deployment's nightly schedule (prefect.yaml says the same; a test checks)
 STAY_MEMORY_BUDGET = 64             # per-stay SV memories are persisted at this budget when the run has it
 TASK_RUNNERS = ("process", "thread", "dask")
+# DuckDB's memory sizes ("4GB", "512 MiB", "4 gigabytes") and a share of the machine's memory ("80%")
+_MEMORY = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(%|[kmgt]i?b?|(?:kilo|mega|giga|tera)bytes?)\s*", re.IGNORECASE)
+_UNIT_BYTES = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+MIN_MEMORY_LIMIT = 64 * 2**20      # below it DuckDB cannot hold one source file's read buffers
+
+
+class RunParamsError(ValueError):
+    """A run parameter out of its range: the same one-line refusal from the CLI, ``WS/run.json`` and a
+    deployment's parameters, before anything is written."""
+
+
+def check_memory_limit(text: str) -> str:
+    """``text`` when DuckDB takes it as the extraction's memory limit, else RunParamsError."""
+    m = _MEMORY.fullmatch(str(text))
+    amount = float(m.group(1)) if m else 0.0
+    unit = m.group(2).lower() if m else ""
+    too_small = amount <= 0 or (unit == "%" and amount > 100) or (
+        unit != "%" and amount * _UNIT_BYTES[unit[0]] < MIN_MEMORY_LIMIT)
+    if m is None or too_small:
+        raise RunParamsError(f"memory limit {text!r} is not a size DuckDB can run in: give e.g. 4GB, 512MiB or 50% "
+                             f"(at least {MIN_MEMORY_LIMIT // 2**20} MiB)")
+    return str(text)
+
+
+def _at_least(name: str, value, low) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < low):
+        raise RunParamsError(f"{name} must be {'a whole number' if isinstance(low, int) else 'a number'} of at "
+                             f"least {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -50,11 +79,16 @@ class RunParams:
         set_(self, "fractions", tuple(float(f) for f in self.fractions))
         set_(self, "tokens", StreamMode(self.tokens))
         if not self.budgets or any(b < 1 for b in self.budgets):
-            raise ValueError(f"budgets must be positive integers, at least one, got {list(self.budgets)}")
+            raise RunParamsError(f"budgets must be positive integers, at least one, got {list(self.budgets)}")
         if any(not 0.0 < f <= 1.0 for f in self.fractions):
-            raise ValueError(f"fractions must lie in (0, 1], got {list(self.fractions)}")
+            raise RunParamsError(f"fractions must lie in (0, 1], got {list(self.fractions)}")
         if self.task_runner not in TASK_RUNNERS:
-            raise ValueError(f"task runner must be one of {TASK_RUNNERS}, got {self.task_runner!r}")
+            raise RunParamsError(f"task runner must be one of {TASK_RUNNERS}, got {self.task_runner!r}")
+        for name, low in (("max_events", 1), ("cohort_budget", 1), ("encoder_steps", 0), ("workers", 1),
+                          ("chunk_stays", 1), ("lock_wait_seconds", 0.0)):
+            _at_least(name.replace("_", " "), getattr(self, name), low)
+        if self.memory_limit is not None:
+            check_memory_limit(self.memory_limit)
         if self.source is not None:
             set_(self, "source", str(self.source))
 
@@ -88,17 +122,18 @@ class RunParams:
         try:
             saved = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); remove it to use the "
+            raise RunParamsError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); remove it to use the "
                              f"defaults") from None
         if not isinstance(saved, dict):
-            raise ValueError(f"{path}: not an object of run parameters; remove it to use the defaults")
+            raise RunParamsError(f"{path}: not an object of run parameters; remove it to use the defaults")
         unknown = sorted(set(saved) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"{path}: unknown run parameter(s) {unknown}; remove them to use the defaults")
+            raise RunParamsError(f"{path}: unknown run parameter(s) {unknown}; remove them to use the defaults")
         try:
             return cls(**saved)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise RunParamsError(f"{path}: {e}; correct or remove it (a run given the option anew replaces "
+                                 f"it)") from None
 
     @classmethod
     def resolve(cls, saved: RunParams | None = None, **given) -> RunParams:

@@ -17,6 +17,7 @@ from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import workspace_lock
 from pipeline.privacy import load_key
 from pipeline.workspace import Workspace
+from run.params import RunParams, RunParamsError
 from tests.builders import meds_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,13 @@ def test_help_and_version_import_nothing_heavy():
     (["run", "--source", "/no/such/mimic", "--out", "{tmp}/ws"], "source directory /no/such/mimic does not exist"),
     (["run", "--config", "no-such-config", "--out", "{tmp}/ws"], "neither a shipped config"),
     (["delete", "--out", "{tmp}/ws", "--subject-id", "1"], "has no event store"),
+    # the audit's options: each refused before anything is written (issue 44.5)
+    (["run", "--out", "{tmp}/ws", "--workers", "-3"], "workers must be a whole number of at least 1, got -3"),
+    (["run", "--out", "{tmp}/ws", "--memory-limit", "abc"], "memory limit 'abc' is not a size"),
+    (["run", "--out", "{tmp}/ws", "--workers", "0"], "workers must be a whole number of at least 1, got 0"),
+    (["run", "--out", "{tmp}/ws", "--max-events", "0"], "max events must be a whole number of at least 1"),
+    (["serve", "--out", "{tmp}/ws", "--cohort-budget", "0"], "cohort budget must be a whole number of at least 1"),
+    (["extract", "--source", "{tmp}/src", "--out", "{tmp}/ws", "--memory-limit", "12"], "memory limit '12'"),
 ])
 def test_user_errors_are_one_line_exit_2_without_a_server(tmp_path, args, message):
     p = _cli(*[a.format(tmp=tmp_path) for a in args])
@@ -273,3 +281,29 @@ def test_the_cohort_memory_s_worker_process_ends_when_the_run_s_process_is_kille
     while time.monotonic() < deadline and worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.1)
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_invalid_option_leaves_the_workspace_s_saved_parameters_as_they_were(tmp_path, capsys):
+    """After `--workers -3` the audit's run.json held it and every later plain rerun and scheduled run failed."""
+    ws = Workspace(tmp_path / "ws")
+    ws.root.mkdir()
+    RunParams(workers=2).save(ws.run_params)
+    before = ws.run_params.read_text()
+    for bad in (["--workers", "-3"], ["--memory-limit", "abc"], ["--cohort-budget", "0"]):
+        assert main(["run", "--out", str(ws.root), *bad]) == 2
+        assert ws.run_params.read_text() == before
+        assert sorted(p.name for p in ws.root.iterdir()) == ["run.json"]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("forgetful: error: ") for line in err)
+
+
+def test_a_deployment_s_parameters_get_the_cli_s_checks_before_anything_is_written(tmp_path):
+    from flows.prefect_flows import scheduled_run
+    with pytest.raises(RunParamsError, match="workers must be a whole number"):
+        scheduled_run.fn(root=str(tmp_path / "ws"), workers=-3)
+    ws = Workspace(tmp_path / "ws2")
+    ws.root.mkdir()
+    ws.run_params.write_text('{"memory_limit": "abc"}')
+    with pytest.raises(RunParamsError, match="run.json: memory limit 'abc'"):
+        scheduled_run.fn(root=str(ws.root))
+    assert not (tmp_path / "ws").exists() and sorted(p.name for p in ws.root.iterdir()) == ["run.json"]
