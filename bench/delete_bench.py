@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key")
+os.environ.setdefault("FORGETFUL_HASH_KEY", "bench-key-not-secret-0123456789abcdef")
 
 from cohorts.definitions import load_config  # noqa: E402
 from deletion import delete_subject  # noqa: E402

@@ -2,17 +2,18 @@
 of them, or that they were deleted before."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
 
-from memory.cohort import CohortMemory
-from pipeline.evidence import read_json_object, read_log
+from memory.cohort import CohortMemory, owner_of
+from pipeline.deleted import certified_hashes, deleted_subjects
 from pipeline.extract import UnknownSubjectError
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import quarantine_files, shard_files, shard_of, stays_path
-from pipeline.privacy import keyed_hash, store_key, subject_ref, suppressed_hashes
+from pipeline.privacy import keyed_hash, store_key, subject_ref
 
 if TYPE_CHECKING:
     from pipeline.workspace import Workspace
@@ -75,26 +76,58 @@ def check_subject(ws: Workspace, subject_id: int) -> tuple | None:
     raise UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
 
 
-def check_subjects(ws: Workspace, subject_ids: list[int]) -> dict[int, Exception | None]:
+def check_subjects(ws: Workspace, subject_ids: list[int],
+                   advance: Callable[[int], object] | None = None) -> dict[int, Exception | None]:
     """Per subject, why they cannot be deleted (UnknownSubjectError, or AlreadyDeleted naming the certificate),
-    or None when the workspace holds them. Read-only, as :func:`check_subject`."""
+    or None when the workspace holds them. Read-only, as :func:`check_subject`, and in one pass over each place
+    for the whole request: a request of 100,000 ids took ~10 ms an id one at a time. ``advance``: called with
+    the subjects checked so far (a progress bar's)."""
+    sids = sorted({int(s) for s in subject_ids})
+    if not ws.store.exists():
+        raise UnknownSubjectError(f"workspace {ws.root} has no event store (run `forgetful run --out {ws.root}` "
+                                  f"first)")
+    key = store_key(ws.store, ws.root)
+    held = _held(ws, sids, key)
+    if advance is not None:
+        advance(len(sids))
+    certified = deleted_subjects(ws.store, ws.root).certificates
     out = {}
-    for sid in sorted({int(s) for s in subject_ids}):
-        try:
-            check_subject(ws, sid)
-            out[sid] = None
-        except (AlreadyDeleted, UnknownSubjectError) as e:
-            out[sid] = e
+    for sid in sids:
+        h = keyed_hash(sid, key)
+        out[sid] = None if sid in held else AlreadyDeleted(
+            f"subject (hash {h[:12]}...) was already deleted; certificate {certified[h]}") if certified.get(h) \
+            else UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
     return out
+
+
+def _held(ws: Workspace, sids: list[int], key: bytes) -> set[int]:
+    """The subjects of ``sids`` of whom the workspace holds anything (:func:`scan_subject`'s places), each place
+    read once: their shards, the quarantine and the stays by id, the results and the cohort memories by
+    reference."""
+    wanted = pl.Series("subject_id", sids, dtype=pl.Int64).implode()
+    shards = sorted({p for sid in sids if (p := shard_of(ws.store, sid)).exists()})
+    files = [*shards, *quarantine_files(ws.store)] + ([stays_path(ws.store)] if stays_path(ws.store).exists() else [])
+    held = set()
+    for f in files:
+        found = pl.scan_parquet(f).select("subject_id").filter(pl.col("subject_id").is_in(wanted)).unique().collect()
+        held |= set(found["subject_id"].to_list())
+    rest = [sid for sid in sids if sid not in held]
+    if not rest:
+        return held
+    refs = {subject_ref(sid, key): sid for sid in rest}
+    if ws.results.exists():
+        found = pl.scan_parquet(ws.results).select("subject_ref").filter(
+            pl.col("subject_ref").is_in(pl.Series(list(refs), dtype=pl.String).implode())).unique().collect()
+        held |= {refs[r] for r in found["subject_ref"].to_list()}
+    for c in [*ws.checkpoints(), *ws.snapshots()] if len(held) < len(sids) else []:
+        owners = {owner_of(t) for t in CohortMemory.load(c).memory.token_ids()}
+        held |= {sid for ref, sid in refs.items() if ref in owners}
+    return held
 
 
 def certificate_of(ws: Workspace, subject_hash: str) -> str | None:
     """The name of the certificate issued for ``subject_hash``, or None."""
-    for entry in read_log(ws.root).entries:
-        path = ws.certificates / str(entry.get("certificate"))
-        if path.is_file() and read_json_object(path, "certificate").get("subject_hash") == subject_hash:
-            return entry["certificate"]
-    return None
+    return certified_hashes(ws.root).get(subject_hash)
 
 
 def resolve_subjects(ws: Workspace, subject_hashes: list[str]) -> dict[str, int | Exception]:
@@ -111,14 +144,16 @@ def resolve_subjects(ws: Workspace, subject_hashes: list[str]) -> dict[str, int 
                                     f"WHERE subject_id IS NOT NULL").fetchall()] if files else []
     wanted = set(subject_hashes)
     found = {h: int(s) for s in ids if (h := keyed_hash(int(s), key)) in wanted}
+    deleted = deleted_subjects(ws.store, ws.root)
     out = {}
     for h in subject_hashes:
         if h in found:
             out[h] = found[h]
             continue
-        cert = certificate_of(ws, h)
+        cert = deleted.certificates.get(h)
         out[h] = AlreadyDeleted(f"subject (hash {h[:12]}...) was already deleted; certificate {cert}") \
-            if cert or h in suppressed_hashes(ws.store) else \
+            if cert else AlreadyDeleted(f"subject (hash {h[:12]}...) was already deleted (on the suppression "
+                                        f"list)") if h in deleted else \
             UnknownSubjectError(f"no subject with keyed hash {h[:12]}... is in the workspace {ws.root}")
     return out
 

@@ -17,7 +17,7 @@ from pipeline.extract_rules import sql_literal
 from pipeline.meds import (code_tables_path, codes_metadata_path, codes_of, quarantine_files, read_codes_metadata,
                            shard_of, stays_path, subject_splits_path, write_code_tables, write_codes_metadata,
                            write_label_file, write_shard, write_subject_splits)
-from pipeline.privacy import SUPPRESSED_FILE, suppressed_hashes
+from pipeline.deleted import deleted_subjects, suppression_files
 from pipeline.shard_changes import changes_path
 from pipeline.sharding import Sharding
 
@@ -158,8 +158,8 @@ def _source(ws, txn, sids) -> dict[int, int]:
 
 def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> dict[int, dict]:
     """Events, quarantine, generated source, stays, code counts and split without the subjects (``subjects``:
-    id -> keyed hash); their hashes on the suppression list; the store's generation bumped once (no cache over
-    the old content is reused). Per subject, what was removed."""
+    id -> keyed hash); their hashes on the suppression lists (the store's and the workspace's); the store's
+    generation bumped once (no cache over the old content is reused). Per subject, what was removed."""
     sids = sorted(subjects)
     (events, removed_codes), quarantine, source = _events(ws, txn, sids), _quarantine(ws, txn, sids), \
         _source(ws, txn, sids)
@@ -176,8 +176,11 @@ def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> 
     splits = subject_splits_path(ws.store)
     if splits.exists():
         write_subject_splits(txn.stage(splits), _without(pl.read_parquet(splits), sids))
-    hashes = suppressed_hashes(ws.store) | set(subjects.values())
-    txn.stage(ws.store / SUPPRESSED_FILE).write_text(json.dumps(sorted(hashes)))
+    # the store's list and the workspace's, beside the log: a store lost or restored from an older backup
+    # leaves the workspace's (and the certificates) to say who never comes back
+    hashes = json.dumps(sorted(set(deleted_subjects(ws.store, ws.root).certificates) | set(subjects.values())))
+    for f in suppression_files(ws.store, ws.root):
+        txn.stage(f).write_text(hashes)
     txn.stage(ws.generation_file).write_text(json.dumps({"generation": ws.generation() + 1}))
     return {sid: {"events_by_table": events[sid], "quarantine_rows": quarantine[sid], "source_rows": source[sid],
                   "stays": in_stays[sid]} for sid in sids}

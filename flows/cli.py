@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from flows.deletion_desk import DeletionOutcome
 
 DEFAULTS = RunParams()
+BIG_REQUEST = 1000          # a deletion request of more subjects shows its checks' progress
+BIG_LISTING = 20            # more certificates than this are summed up in one line, not listed
 LAST_RUN = "the workspace's last run's (WS/run.json), else"
 
 
@@ -207,20 +210,30 @@ def _requested_ids(args) -> list[int]:
 def _deletable(args, ws) -> list[int]:
     """The requested subjects the workspace holds. One that it does not (unknown, or deleted before) is named,
     with why, and refuses the request unless --skip-unknown; when none is left because every one was deleted
-    before, AlreadyDeleted (nothing to do, exit 0)."""
+    before, AlreadyDeleted (nothing to do, exit 0). Messages name a few subjects and count the rest."""
     from deletion import AlreadyDeleted, check_subjects
-    status = check_subjects(ws, args.subject_ids)
+    from pipeline import progress
+    progress.configure(True)
+    with progress.step(f"checking the {len(args.subject_ids)} requested subjects", total=len(args.subject_ids),
+                       unit="subjects") if len(args.subject_ids) > BIG_REQUEST else nullcontext() as advance:
+        status = check_subjects(ws, args.subject_ids, advance)
     left = [sid for sid, why in status.items() if why is None]
     skipped = {sid: why for sid, why in status.items() if why is not None}
     if skipped and not left and all(isinstance(why, AlreadyDeleted) for why in skipped.values()):
-        raise AlreadyDeleted("; ".join(map(str, skipped.values())))
+        raise AlreadyDeleted(progress.a_few(map(str, skipped.values())))
     if skipped and not (args.skip_unknown and left):
-        listed = "; ".join(f"subject {sid}: {why}" for sid, why in skipped.items())
+        listed = progress.a_few(f"subject {sid}: {why}" for sid, why in skipped.items())
         raise ValueError(f"{len(skipped)} of {len(status)} subject(s) cannot be deleted, so none is (--skip-unknown "
                          f"deletes the rest): {listed}")
-    for sid, why in skipped.items():
-        print(f"forgetful: skipped subject {sid}: {why}", file=sys.stderr)
+    _print_skipped([f"subject {sid}: {why}" for sid, why in skipped.items()])
     return left
+
+
+def _print_skipped(lines: list[str], shown: int = 3) -> None:
+    for line in lines[:shown]:
+        print(f"forgetful: skipped {line}", file=sys.stderr)
+    if len(lines) > shown:
+        print(f"forgetful: skipped {len(lines) - shown} more subject(s) for the same reasons", file=sys.stderr)
 
 
 def _check_meds_codes(args, ws) -> None:
@@ -380,11 +393,15 @@ def _report_outcome(outcome: DeletionOutcome, by_hash: dict[str, int]) -> int:
         print(f"forgetful: nothing to do: {named(outcome.already_deleted)}")
         return 0
     skipped = {h: outcome.skipped[h[:12]] for h in by_hash if h[:12] in outcome.skipped}
-    for h, why in skipped.items():
-        print(f"forgetful: skipped subject {by_hash[h]}: {why}", file=sys.stderr)
+    _print_skipped([f"subject {by_hash[h]}: {why}" for h, why in skipped.items()])
     left = sorted(sid for h, sid in by_hash.items() if h not in skipped)
-    for sid, path in zip(left, outcome.certificates):
+    certified = list(zip(left, outcome.certificates))
+    for sid, path in certified if len(certified) <= BIG_LISTING else []:
         print(f"certificate: {path}" + (f" (subject {sid})" if len(by_hash) > 1 else ""))
+    if len(certified) > BIG_LISTING:
+        (first_sid, first), (last_sid, last) = certified[0], certified[-1]
+        print(f"certificates: {len(certified)}, from {first} (subject {first_sid}) to {last} (subject {last_sid}), "
+              f"one a subject in ascending subject id")
     return 0
 
 

@@ -291,11 +291,11 @@ def delete_patients(root: str | Path, subject_hashes: list[str], mode: str = "de
     missing = {h[:12]: str(r) for h, r in found.items() if isinstance(r, Exception)}
     sids = [r for r in found.values() if not isinstance(r, Exception)]
     if not sids and all(isinstance(r, AlreadyDeleted) for r in found.values()):
-        get_run_logger().info("nothing to do: %s", "; ".join(missing.values()))
-        return {"already_deleted": "; ".join(missing.values())}
+        get_run_logger().info("nothing to do: %s", progress.a_few(missing.values()))
+        return {"already_deleted": progress.a_few(missing.values())}
     if missing and not (skip_unknown and sids):
         return Failed(message=f"{REFUSAL_PREFIX}{len(missing)} of {len(found)} subject(s) cannot be deleted, so "
-                              f"none is (--skip-unknown deletes the rest): {'; '.join(missing.values())}")
+                              f"none is (--skip-unknown deletes the rest): {progress.a_few(missing.values())}")
     try:
         issued = delete_subjects(ws, sids, mode=mode, wait_seconds=wait_seconds,
                                  compare_with_replay=compare_with_replay)

@@ -50,7 +50,8 @@ from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, Me
                    shard_of, shard_path, shard_table, splice_shard, stage_meds, stays_path, write_codes_metadata,
                    write_dataset_metadata)
 from .migrate import check_format, mark_current
-from .privacy import HOW_TO, check_key, suppressed_hashes, suppression
+from .deleted import DeletedSubjects, deleted_subjects, suppression_files
+from .privacy import HOW_TO, check_key, keyed_hash
 from .transaction import atomic_write_text
 from .shard_changes import file_state, record_splice
 from .sharding import Sharding, is_recorded
@@ -69,6 +70,8 @@ class ExtractSummary:
     missing_tables: list = field(default_factory=list)
     new_events: int = 0
     suppressed_rows: int = 0
+    # the certificates of the deleted patients whose rows the source still held (left out), at most a few named
+    suppressed_certificates: str = ""
     total_events: int = 0
     seconds: float = 0.0
 
@@ -168,7 +171,8 @@ def _check_stays(con, path, empty: str = "no ICU stays (a header only): every IC
                     "OR outtime IS NULL")
         if not con.execute("SELECT count(*) FROM stays").fetchone()[0]:
             # counts per field, no values: an id in a message would reach logs and Prefect's database
-            raise ExtractionError(f"{path}: no usable ICU stay: " + ", ".join(f"{k} with a {f}" for f, k in bad.items()))
+            raise ExtractionError(f"{path}: no usable ICU stay: "
+                                  + ", ".join(f"{k} with a {f}" for f, k in bad.items()))
 
 
 def _header(con, path):
@@ -378,20 +382,29 @@ def _staged_buckets(staging: Path) -> list[tuple[int | None, list[Path]]]:
     return sorted(found.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
 
 
-def _suppress(con, suppressed, table: str) -> int:
-    """Drop deleted subjects from ``table`` (the staged events of one shard, or the stay table, which is
-    rewritten at every run, changed or not); the rows dropped."""
-    if suppressed is None:
-        return 0
-    subjects = [r[0] for r in con.execute(f"SELECT DISTINCT subject_id FROM {table} "
-                                          f"WHERE subject_id IS NOT NULL").fetchall()]
-    gone = [int(s) for s in subjects if suppressed(int(s))]
-    if not gone:
-        return 0
-    n = con.execute(f"SELECT count(*) FROM {table} WHERE subject_id IN (SELECT unnest(?::BIGINT[]))", [gone]
-                    ).fetchall()[0][0]
-    con.execute(f"DELETE FROM {table} WHERE subject_id IN (SELECT unnest(?::BIGINT[]))", [gone])
-    return int(n)
+@dataclass
+class _Suppression:
+    """The deleted subjects an extraction leaves out (by keyed hash under ``key``), and whom it met."""
+    deleted: DeletedSubjects
+    key: bytes
+    met: set = field(default_factory=set)
+
+    def drop(self, con, table: str) -> int:
+        """Drop deleted subjects from ``table`` (the staged events of one shard, or the stay table, which is
+        rewritten at every run, changed or not); the rows dropped."""
+        if not len(self.deleted):
+            return 0
+        subjects = [r[0] for r in con.execute(f"SELECT DISTINCT subject_id FROM {table} "
+                                              f"WHERE subject_id IS NOT NULL").fetchall()]
+        gone = {int(s): h for s in subjects if (h := keyed_hash(int(s), self.key)) in self.deleted}
+        if not gone:
+            return 0
+        self.met |= set(gone.values())
+        ids = list(gone)
+        n = con.execute(f"SELECT count(*) FROM {table} WHERE subject_id IN (SELECT unnest(?::BIGINT[]))", [ids]
+                        ).fetchall()[0][0]
+        con.execute(f"DELETE FROM {table} WHERE subject_id IN (SELECT unnest(?::BIGINT[]))", [ids])
+        return int(n)
 
 
 def _judge(con, out, bucket: int | None) -> None:
@@ -455,7 +468,8 @@ def _write_new(con, out, bucket: int | None, writer: ShardWriter) -> int:
     return int(n_new)
 
 
-def _check_and_write(con, out, run_id, staging: Path, suppressed, sharding: Sharding) -> tuple[int, int]:
+def _check_and_write(con, out, run_id, staging: Path, suppressed: _Suppression | None,
+                     sharding: Sharding) -> tuple[int, int]:
     """Shard by shard: the staged rows checked against the rules and the store, new events written into the
     shard and rejected rows kept for the quarantine (written last, one file for the run); per table and reason
     the rows seen and new into temp table ``tally``. Returns (new events, rows of deleted patients dropped)."""
@@ -471,7 +485,7 @@ def _check_and_write(con, out, run_id, staging: Path, suppressed, sharding: Shar
             files = ", ".join(sql_literal(d / "*.parquet") for d in folders)
             con.execute(f"CREATE TEMP TABLE staged AS SELECT {', '.join(STAGED_COLUMNS)} "
                         f"FROM read_parquet([{files}], hive_partitioning=false)")
-            dropped += _suppress(con, suppressed, "staged")
+            dropped += suppressed.drop(con, "staged") if suppressed is not None else 0
             _judge(con, out, bucket)
             new += _write_new(con, out, bucket, writer)
             con.execute("DROP TABLE staged")
@@ -522,16 +536,24 @@ def _sharding(out: Path, changed: dict) -> Sharding:
     return sharding
 
 
-def _open_store(out, key):
-    """Create or check the store directory; (created by this call, the suppression test)."""
-    if key is None and suppressed_hashes(out):
+def _open_store(out: Path, key: bytes | None) -> tuple[bool, _Suppression | None]:
+    """Create or check the store directory; (created by this call, whom to leave out). The deleted subjects are
+    read from the store and its workspace (:func:`pipeline.deleted.deleted_subjects`): a store rebuilt after a
+    loss starts with none of its own, and its workspace still names them."""
+    deleted = deleted_subjects(out)
+    if key is None and len(deleted):
         raise ExtractionError(f"the store {out} has deleted patients on its suppression list; extracting into it "
                               f"needs the hash key that recognises them ({HOW_TO})")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    if key is not None:
-        check_key(out, key)
-    return created, suppression(out, key) if key is not None else None
+    if key is None:
+        return created, None
+    check_key(out, key)
+    if created and deleted.missing_from_store():
+        # a new store holds no one yet, and leaves every deleted subject out: its list says so from the start
+        hashes = json.dumps(sorted(deleted.certificates))
+        atomic_write_text(suppression_files(out, None)[0], hashes)
+    return created, _Suppression(deleted, key)
 
 
 def extract(source: Path | str, out: Path | str, key: bytes | None = None, memory_limit: str | None = None,
@@ -582,9 +604,12 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
                 table = name.split("/")[0]
                 groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
         with progress.phase("dropping deleted patients' stays"):
-            _suppress(con, suppressed, "stays")
+            if suppressed is not None:
+                suppressed.drop(con, "stays")
         summary.new_events, summary.suppressed_rows = _check_and_write(con, out, run_id, staging, suppressed,
                                                                                 sharding)
+        if suppressed is not None and suppressed.met:
+            summary.suppressed_certificates = suppressed.deleted.named(suppressed.met)
         with progress.phase("counting rows per table and rule"):
             _summarise(con, changed, summary, manifest, groups)
         if changed or summary.new_events or not _metadata_current(out):

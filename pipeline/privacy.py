@@ -3,9 +3,13 @@
 A subject is named outside the event store only by ``HMAC-SHA256(key, subject_id)``. The key is read from
 ``FORGETFUL_HASH_KEY`` (the secret itself) or ``FORGETFUL_HASH_KEY_FILE`` (a file outside the workspace); with
 neither, nothing that hashes a subject starts. Whoever holds a copy of the workspace but not the key cannot
-reverse a hash by enumerating ids. The store records the key's fingerprint (an HMAC of a constant, which does
-not reveal the key), so a run or deletion under a different key is refused instead of silently failing to
-recognise deleted patients.
+reverse a hash by enumerating ids. The store and its workspace record the key's fingerprint (an HMAC of a
+constant, which does not reveal the key), so a run or deletion under a different key is refused instead of
+silently failing to recognise deleted patients, even after the store is lost and rebuilt.
+
+What keeps deleted patients out never lives only in what can be lost or rebuilt: the suppression list is kept
+in the store and beside the deletion log in its workspace (``WS/suppressed.json``), and every certificate names
+its subject's hash (:mod:`pipeline.deleted` reads all three).
 """
 from __future__ import annotations
 
@@ -15,12 +19,8 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 KEY_ENV = "FORGETFUL_HASH_KEY"
 KEY_FILE_ENV = "FORGETFUL_HASH_KEY_FILE"
@@ -59,10 +59,19 @@ def stay_ref(stay_id: int, key: bytes) -> str:
     return keyed_hash(f"stay:{int(stay_id)}", key)[:32]
 
 
+MIN_KEY_CHARS = 32
+
+
 def load_key(workspace: Path | str | None = None) -> bytes:
-    """The hash key from the environment; ``workspace``: refuse a key file inside it."""
+    """The hash key from the environment; ``workspace``: refuse a key file inside it. A key shorter than
+    :data:`MIN_KEY_CHARS` is refused, from the environment as from a file: a short secret can be guessed, and
+    with it every hash reversed by enumerating ids."""
     if os.environ.get(KEY_ENV):
-        return os.environ[KEY_ENV].encode()
+        key = os.environ[KEY_ENV].strip()
+        if len(key) < MIN_KEY_CHARS:
+            raise HashKeyError(f"{KEY_ENV} holds {len(key)} characters; use at least {MIN_KEY_CHARS} (`forgetful "
+                               f"keygen PATH` writes 64 hex digits to a file for {KEY_FILE_ENV})")
+        return key.encode()
     path = os.environ.get(KEY_FILE_ENV)
     legacy = Path(workspace) / ".secrets" / "hash.key" if workspace is not None else None
     if not path:
@@ -77,9 +86,9 @@ def load_key(workspace: Path | str | None = None) -> bytes:
     if not p.is_file():
         raise HashKeyError(f"hash key file {p} does not exist: {HOW_TO}")
     key = p.read_text().strip()
-    if len(key) < 32:
-        raise HashKeyError(f"hash key file {p} holds {len(key)} characters; use at least 32 (`forgetful keygen` "
-                           f"writes 64 hex digits)")
+    if len(key) < MIN_KEY_CHARS:
+        raise HashKeyError(f"hash key file {p} holds {len(key)} characters; use at least {MIN_KEY_CHARS} "
+                           f"(`forgetful keygen` writes 64 hex digits)")
     return key.encode()
 
 
@@ -107,36 +116,67 @@ def fingerprint(key: bytes) -> str:
     return hmac.new(key, b"forgetful hash-key fingerprint v1", hashlib.sha256).hexdigest()[:32]
 
 
-def check_key(store: Path, key: bytes) -> None:
-    """Refuse a key other than the one ``store`` was built with; record the key's fingerprint on first use."""
-    store = Path(store)
-    f = store / FINGERPRINT_FILE
-    if f.exists():
+def workspace_of(store: Path) -> Path | None:
+    """The workspace a store belongs to (its parent, when the store is a workspace's ``store/``), else None."""
+    store = Path(store).resolve()
+    root = store.parent
+    marks = (".lock", "ledger.jsonl", "run.json", SUPPRESSED_FILE, FINGERPRINT_FILE)
+    return root if store.name == "store" and any((root / m).exists() for m in marks) else None
+
+
+def _recorded_fingerprint(f: Path) -> str | None:
+    if not f.exists():
+        return None
+    try:
         recorded = json.loads(f.read_text())["fingerprint"]
-        if recorded != fingerprint(key):
-            raise HashKeyError(f"the hash key is not the one the store {store} was built with (fingerprint "
-                               f"{fingerprint(key)[:12]}..., recorded {recorded[:12]}...): under another key deleted "
-                               f"patients are not recognised and would be re-ingested; use the original key")
-    elif store.exists():
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"fingerprint": fingerprint(key)}))
-        os.replace(tmp, f)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise HashKeyError(f"{f} is damaged (it should hold the hash key's fingerprint): restore it from a backup "
+                           f"or from the workspace's other copy (store/{FINGERPRINT_FILE} or {FINGERPRINT_FILE})"
+                           ) from None
+    if not isinstance(recorded, str):
+        raise HashKeyError(f"{f} is damaged (its fingerprint is not text): restore it from a backup")
+    return recorded
+
+
+def check_key(store: Path, key: bytes, workspace: Path | None = None) -> None:
+    """Refuse a key other than the one ``store`` (and ``workspace``, default :func:`workspace_of`) was built with;
+    record the key's fingerprint on first use, in both, so a store lost and rebuilt keeps its key."""
+    store = Path(store)
+    workspace = workspace if workspace is not None else workspace_of(store)
+    files = [store / FINGERPRINT_FILE] + ([Path(workspace) / FINGERPRINT_FILE] if workspace is not None else [])
+    mine = fingerprint(key)
+    for f in files:
+        recorded = _recorded_fingerprint(f)
+        if recorded is not None and recorded != mine:
+            what = "the store" if f.parent == store else "the workspace"
+            raise HashKeyError(f"the hash key is not the one {what} {f.parent} was built with (fingerprint "
+                               f"{mine[:12]}..., recorded {recorded[:12]}... in {f}): under another key deleted patients are not "
+                               f"recognised and would be re-ingested; use the original key")
+    for f in files if store.exists() else []:       # nothing is written before the store is
+        if f.parent.exists() and not f.exists():
+            tmp = f.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"fingerprint": mine}))
+            os.replace(tmp, f)
 
 
 def store_key(store: Path, workspace: Path | None = None) -> bytes:
-    """The hash key, checked against the store's fingerprint."""
+    """The hash key, checked against the store's (and its workspace's) fingerprint."""
     key = load_key(workspace)
-    check_key(store, key)
+    check_key(store, key, Path(workspace) if workspace is not None else None)
     return key
 
 
 def suppressed_hashes(store: Path) -> set[str]:
-    """Keyed hashes of the deleted subjects of ``store``."""
+    """Keyed hashes on the suppression list kept in ``store`` (:mod:`pipeline.deleted` adds the workspace's own
+    list and its certificates)."""
     f = Path(store) / SUPPRESSED_FILE
-    return set(json.loads(f.read_text())) if f.exists() else set()
-
-
-def suppression(store: Path, key: bytes) -> Callable:
-    """A callable: was this subject id deleted from ``store``?"""
-    hashes = suppressed_hashes(store)
-    return lambda subject_id: keyed_hash(int(subject_id), key) in hashes
+    if not f.exists():
+        return set()
+    try:
+        hashes = json.loads(f.read_text())
+    except (OSError, ValueError):
+        hashes = None
+    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+        raise HashKeyError(f"{f} is damaged (it should list the deleted subjects' keyed hashes): restore it from a "
+                           f"backup; the workspace's certificates and its own {SUPPRESSED_FILE} name them too")
+    return set(hashes)

@@ -21,6 +21,14 @@ phases: list[tuple[str, float, float]] = []
 PLAIN_EVERY_S = 10.0       # a plain progress line at least this often during a long step
 
 
+def a_few(items, shown: int = 3, joiner: str = "; ") -> str:
+    """At most ``shown`` of ``items`` named, the rest counted: a message about a request of 100,000 subjects is
+    one line a person reads, not 8 MB."""
+    items = list(items)
+    rest = len(items) - shown
+    return joiner.join(map(str, items[:shown])) + (f"{joiner}and {rest} more" if rest > 0 else "")
+
+
 def configure(enabled: bool) -> None:
     _state["enabled"] = bool(enabled)
 

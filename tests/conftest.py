@@ -9,7 +9,7 @@ from hypothesis import settings
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The keyed-hash secret lives outside every workspace; the tests' is a fixed, non-secret one.
-os.environ.setdefault("FORGETFUL_HASH_KEY", "test-key-not-secret")
+os.environ.setdefault("FORGETFUL_HASH_KEY", "test-key-not-secret-0123456789abcdef")
 if not os.environ.get("FORGETFUL_SIGNING_KEY_FILE"):
     # the deletion log's signing key, outside every test workspace, removed when the session ends
     _keys = Path(tempfile.mkdtemp(prefix="forgetful-test-keys-"))
