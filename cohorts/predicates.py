@@ -22,10 +22,12 @@ from typing import Any
 
 import polars as pl
 
+from pipeline.errors import InputError
+
 CODE_KEYS = ("codes", "code")
 
 
-class PredicateError(ValueError):
+class PredicateError(InputError):
     """A code or value predicate of the cohort config is malformed."""
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from cohorts.definitions import workspace_config
 from pipeline.evidence import (SIGNING_KEY_ENV, TrustAnchor, load_signing_key, public_hex, read_log,
                                signer_problems)
+from pipeline.errors import InputError
 from pipeline.locking import workspace_lock
 from pipeline.migrate import check_format
 from pipeline.privacy import keyed_hash, store_key
@@ -32,6 +33,7 @@ from . import derived
 from .memories import replayed_memory_info, rewrite_memories
 from .plan import (AlreadyDeleted, DeletionFailed, check_subject, check_subjects, resolve_subject, resolve_subjects,
                    scan_subject)
+from .reapply import Reapplied, reapply_deletions
 from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
 
@@ -40,8 +42,9 @@ if TYPE_CHECKING:
 
 MODES = ("decrement", "replay")
 
-__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "check_subject", "check_subjects", "delete_subject",
-           "delete_subjects", "resolve_subject", "resolve_subjects", "scan_subject"]
+__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "Reapplied", "check_subject", "check_subjects",
+           "delete_subject", "delete_subjects", "reapply_deletions", "resolve_subject", "resolve_subjects",
+           "scan_subject"]
 
 
 def _stage_deletion(ws, cfg, txn, subjects, stay_files, mode, log, signing_key, n_jitter, compare):
@@ -84,13 +87,14 @@ def delete_subjects(ws: Workspace, subject_ids: list[int], mode: str = "decremen
     WorkspaceLocked when a run holds the workspace, DeletionFailed when a check fails; nothing is changed then.
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     sids = sorted({int(s) for s in subject_ids})
     if not sids:
-        raise ValueError("no subject to delete")
+        raise InputError("no subject to delete")
     check_format(ws.store)
     with workspace_lock(ws.root, wait_seconds=wait_seconds, purpose=f"deletion ({mode})"):
         recover(ws.root)
+        reapply_deletions(ws)       # a store restored from an older backup: its deleted subjects go first
         key = store_key(ws.store, ws.root)
         subjects = {sid: keyed_hash(sid, key) for sid in sids}
         stay_files = {sid: check_subject(ws, sid)[1] for sid in sids}

@@ -140,7 +140,7 @@ def _flat(o, path: str = "", skip: frozenset = frozenset()) -> Iterator[tuple[st
         yield path, o
 
 
-def _leaves(name: str, a: Path, b: Path, atol: float, skip: frozenset = frozenset(),
+def json_leaves(name: str, a: Path, b: Path, atol: float, skip: frozenset = frozenset(),
             numbers_only: bool = False) -> ArtifactDifference:
     """A JSON file's leaves by path: numbers within ``atol`` (NaN beside NaN equal), other leaves exactly;
     ``numbers_only`` compares the numbers alone."""
@@ -163,7 +163,7 @@ def _leaves(name: str, a: Path, b: Path, atol: float, skip: frozenset = frozense
 def cohort_memory(a: Workspace, b: Workspace, atol: float) -> list[ArtifactDifference]:
     """The latest checkpoint's token statistics and memory: tokens only one holds, and weights beyond ``atol``."""
     ca, cb = a.checkpoints()[-1], b.checkpoints()[-1]
-    scaling = _leaves("token statistics (token_scaling.json)", ca / "token_scaling.json",
+    scaling = json_leaves("token statistics (token_scaling.json)", ca / "token_scaling.json",
                       cb / "token_scaling.json", atol=0.0)
     ma, mb = (CohortMemory.load(c).memory for c in (ca, cb))
     wa, wb = ma.alpha_, mb.alpha_
@@ -187,5 +187,5 @@ def compare_workspaces(a: Workspace, b: Workspace, atol: float = 1e-12) -> list[
             ArtifactDifference("per-stay memory files", len(set(memories[0]) | set(memories[1])),
                                len(set(memories[0]) ^ set(memories[1]))),
             *cohort_memory(a, b, atol),
-            _leaves("report.json numbers", a.report_json, b.report_json, atol, skip=RUN_BOOKKEEPING,
+            json_leaves("report.json numbers", a.report_json, b.report_json, atol, skip=RUN_BOOKKEEPING,
                     numbers_only=True)]

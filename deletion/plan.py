@@ -9,6 +9,7 @@ import duckdb
 import polars as pl
 
 from memory.cohort import CohortMemory, owner_of
+from pipeline.errors import Refusal
 from pipeline.deleted import certified_hashes, deleted_subjects
 from pipeline.extract import UnknownSubjectError
 from pipeline.extract_rules import sql_literal
@@ -23,7 +24,7 @@ class AlreadyDeleted(Exception):
     """The subject was deleted before: nothing of them remains and the log holds their certificate."""
 
 
-class DeletionFailed(RuntimeError):
+class DeletionFailed(Refusal, RuntimeError):
     """A check failed (refit verification, residual scan, the log); nothing was changed."""
 
 
@@ -130,20 +131,25 @@ def certificate_of(ws: Workspace, subject_hash: str) -> str | None:
     return certified_hashes(ws.root).get(subject_hash)
 
 
-def resolve_subjects(ws: Workspace, subject_hashes: list[str]) -> dict[str, int | Exception]:
-    """Per keyed hash, the subject id behind it, found by hashing the store's subject ids once, so that deletion
-    requests can travel (through Prefect's database, logs and results) as hashes alone; for a hash no stored
-    subject has, AlreadyDeleted (a deleted subject's) or UnknownSubjectError (naming only the hash)."""
-    if not ws.store.exists():
-        raise UnknownSubjectError(f"workspace {ws.root} has no event store")
+def subjects_by_hash(ws: Workspace, hashes: set[str]) -> dict[str, int]:
+    """The store's subjects whose keyed hash is one of ``hashes`` (hash -> id), found by hashing every subject id
+    of its stays, shards and quarantine once."""
     key = store_key(ws.store, ws.root)
     files = [f for f in [stays_path(ws.store), *shard_files(ws.store), *quarantine_files(ws.store)] if f.exists()]
     # DuckDB's distinct streams the column: the store's hundreds of millions of rows are never held at once
     sources = ", ".join(map(sql_literal, files))
     ids = [r[0] for r in duckdb.sql(f"SELECT DISTINCT subject_id FROM read_parquet([{sources}], union_by_name = true) "
                                     f"WHERE subject_id IS NOT NULL").fetchall()] if files else []
-    wanted = set(subject_hashes)
-    found = {h: int(s) for s in ids if (h := keyed_hash(int(s), key)) in wanted}
+    return {h: int(s) for s in ids if (h := keyed_hash(int(s), key)) in hashes}
+
+
+def resolve_subjects(ws: Workspace, subject_hashes: list[str]) -> dict[str, int | Exception]:
+    """Per keyed hash, the subject id behind it, found by hashing the store's subject ids once, so that deletion
+    requests can travel (through Prefect's database, logs and results) as hashes alone; for a hash no stored
+    subject has, AlreadyDeleted (a deleted subject's) or UnknownSubjectError (naming only the hash)."""
+    if not ws.store.exists():
+        raise UnknownSubjectError(f"workspace {ws.root} has no event store")
+    found = subjects_by_hash(ws, set(subject_hashes))
     deleted = deleted_subjects(ws.store, ws.root)
     out = {}
     for h in subject_hashes:

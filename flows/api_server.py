@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from pipeline.errors import EnvironmentProblem
+
 STARTUP_TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 DEFAULT_STARTUP_SECONDS = 120
 PORT_IN_USE_EXIT = 3        # uvicorn's exit status when its port was taken between our check and its bind
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(EnvironmentProblem):
     """The temporary API server did not answer in time, or exited: one line naming the setting to change."""
 
 
@@ -133,10 +135,12 @@ def begin(early: PendingServer | None = None) -> PendingServer:
 
 
 def wait_until_up(pending: PendingServer) -> str:
-    """Wait for the server's health check; its API URL. ServerStartError past the startup setting."""
-    if pending.configured_url:
-        return pending.configured_url
+    """Wait for the server's health check; its API URL. ServerStartError past the startup setting, or when a
+    configured API does not answer (a closed port failed later, deep in Prefect's client, as a bare
+    RuntimeError)."""
     import httpx
+    if pending.configured_url:
+        return _answering(pending.configured_url)
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
     limit = float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     try:
@@ -164,6 +168,27 @@ def wait_until_up(pending: PendingServer) -> str:
     raise ServerStartError(f"Prefect's temporary API server did not answer within {limit:g} s (the machine may be "
                            f"busy): set {STARTUP_TIMEOUT_SETTING} to wait longer, or PREFECT_API_URL to a running "
                            f"server (`prefect server start`)")
+
+
+CONFIGURED_API_WAIT_SECONDS = 10.0
+
+
+def _answering(url: str) -> str:
+    """``url`` once the configured API answers at all (any HTTP status: Prefect Cloud may ask for a key there);
+    ServerStartError after :data:`CONFIGURED_API_WAIT_SECONDS` of refused or failed connections."""
+    import httpx
+    deadline, why = time.monotonic() + CONFIGURED_API_WAIT_SECONDS, ""
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                client.get(f"{url.rstrip('/')}/health")
+                return url
+            except httpx.TransportError as e:
+                why = str(e) or type(e).__name__
+            time.sleep(0.5)
+    raise ServerStartError(f"the Prefect API configured in PREFECT_API_URL ({url}) does not answer ({why}): start "
+                           f"that server (`prefect server start`), or unset PREFECT_API_URL and the command starts a "
+                           f"temporary one of its own")
 
 
 def _home() -> str:

@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows.failures import CommandLineError
 from run.params import DEFAULT_CRON, TASK_RUNNERS, RunParams, StreamMode
 
 if TYPE_CHECKING:
@@ -193,17 +194,17 @@ def _requested_ids(args) -> list[int]:
             lines = args.subjects_file.read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--subjects-file {args.subjects_file} cannot be read: {why}") from None
+            raise CommandLineError(f"--subjects-file {args.subjects_file} cannot be read: {why}") from None
         for n, line in enumerate(lines, 1):
             text = line.strip()
             if not text or text.startswith("#"):
                 continue
             if not text.isdigit():
-                raise ValueError(f"--subjects-file {args.subjects_file}, line {n}: {text[:40]!r} is not a subject_id "
-                                 f"(one integer a line)")
+                raise CommandLineError(f"--subjects-file {args.subjects_file}, line {n}: {text[:40]!r} is not a "
+                                       f"subject_id (one integer a line)")
             ids.append(int(text))
     if not ids:
-        raise ValueError("delete needs --subject-id (repeatable) or --subjects-file")
+        raise CommandLineError("delete needs --subject-id (repeatable) or --subjects-file")
     return sorted(set(ids))
 
 
@@ -223,8 +224,8 @@ def _deletable(args, ws) -> list[int]:
         raise AlreadyDeleted(progress.a_few(map(str, skipped.values())))
     if skipped and not (args.skip_unknown and left):
         listed = progress.a_few(f"subject {sid}: {why}" for sid, why in skipped.items())
-        raise ValueError(f"{len(skipped)} of {len(status)} subject(s) cannot be deleted, so none is (--skip-unknown "
-                         f"deletes the rest): {listed}")
+        raise CommandLineError(f"{len(skipped)} of {len(status)} subject(s) cannot be deleted, so none is "
+                               f"(--skip-unknown deletes the rest): {listed}")
     _print_skipped([f"subject {sid}: {why}" for sid, why in skipped.items()])
     return left
 
@@ -420,9 +421,19 @@ def _scheduled(args, server):
         if fresh:
             _remove_unstarted_workspace(Path(args.out))
         raise
+    _print_deleted_left_out(out["result"].metadata.get("ingest") or {})
     print(f"report: {out['report']}")
     _print_headline(out["result"])
     return 0
+
+
+def _print_deleted_left_out(ingest: dict) -> None:
+    """What a run kept out of deleted patients: rows the source still holds, and a store that held them again."""
+    if ingest.get("deletions_reapplied"):
+        print(f"forgetful: {ingest['deletions_reapplied']}")
+    if ingest.get("suppressed_rows"):
+        print(f"forgetful: left out {ingest['suppressed_rows']} source row(s) of deleted patients (certificates "
+              f"{ingest.get('suppressed_certificates') or 'on the suppression list'}): they never return")
 
 
 def _serve(args, params: dict) -> None:
@@ -461,10 +472,10 @@ def _check_out(args) -> None:
     """--out must be a folder (or not exist yet): one line, before a server starts or a lock is taken."""
     out = getattr(args, "out", None)
     if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder (the {'store' if args.cmd == 'extract' else 'workspace'}"
-                         f" is a folder)")
+        what = "store" if args.cmd == "extract" else "workspace"
+        raise CommandLineError(f"--out {out} is a file, not a folder (the {what} is a folder)")
     if args.cmd == "extract" and Path(out).resolve().parent.exists() and not Path(out).resolve().parent.is_dir():
-        raise ValueError(f"--out {out}: its parent is a file, not a folder")
+        raise CommandLineError(f"--out {out}: its parent is a file, not a folder")
 
 
 def _run(args):

@@ -5,10 +5,10 @@
 (streams, per-stay rows) are never persisted (``persist_result=False``); nothing is cached by Prefect (the
 workspace's per-stay caches are).
 """
-import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +26,8 @@ from cohorts.config import CohortConfig
 from cohorts.definitions import CohortConfigError, install_config
 from cohorts.evaluation import EventStream, headline_rows
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
-from deletion import AlreadyDeleted, DeletionFailed, delete_subjects, resolve_subjects
-from flows.deletion_desk import DeletionOutcome, DeletionRequest
+from deletion import AlreadyDeleted, DeletionFailed, delete_subjects, reapply_deletions, resolve_subjects
+from flows.deletion_desk import DeletionOutcome, DeletionRequest, say
 from flows.failures import failure_status
 from memory.warmup import compile_solver, is_compiled
 from pipeline import progress
@@ -84,6 +84,7 @@ def extract_task(source: str, store: str, root: str, memory_limit: str, stay_cod
     get_run_logger().info("extracted %d new events (%d in store, %d suppressed rows)", s.new_events,
                           s.total_events, s.suppressed_rows)
     return {"new_events": s.new_events, "total_events": s.total_events, "suppressed_rows": s.suppressed_rows,
+            "suppressed_certificates": s.suppressed_certificates,
             "quarantined": {t: v.get("quarantined_total", 0) for t, v in s.tables.items()}}
 
 
@@ -246,9 +247,13 @@ def scheduled_run(root: str | Path = "out", source: str | Path | None = None, bu
                                encoder_steps=encoder_steps, memory_limit=memory_limit)
     with workspace_lock(ws.root, wait_seconds=params.lock_wait_seconds, purpose="scheduled run"):
         recover(ws.root)
+        reapplied = reapply_deletions(ws)
+        if reapplied is not None:
+            get_run_logger().warning(reapplied.line())
         cfg = install_config(ws.root, config)
         params.save(ws.run_params)
         ingest_info = ingest(str(ws.root), params, cfg)
+        ingest_info["deletions_reapplied"] = reapplied.line() if reapplied is not None else None
         events = params.tokens is StreamMode.EVENTS
         encoder = train_encoder_task(str(ws.root), params.encoder_steps, cfg) if events and params.encoder_steps \
             else None
@@ -330,5 +335,8 @@ def serve_deletion(root: str | Path, request: DeletionRequest) -> DeletionOutcom
                                                 compare_with_replay=request.compare_with_replay,
                                                 skip_unknown=request.skip_unknown, return_state=True))
     except Exception as e:  # noqa: BLE001 -- every failure reaches the command in one line
-        logging.getLogger("forgetful").exception("a deletion request to the desk of %s failed", root)
-        return DeletionOutcome(failure=f"{type(e).__name__}: {e}", failure_status=failure_status(e))
+        status = failure_status(e)
+        # the serving process's output has the traceback of a defect, as the command's line says
+        say(f"a deletion request to the desk of {root} failed: {type(e).__name__}: {e}" if status != 1 else
+            f"a deletion request to the desk of {root} failed:\n{traceback.format_exc().rstrip()}")
+        return DeletionOutcome(failure=f"{type(e).__name__}: {e}" if status == 1 else str(e), failure_status=status)

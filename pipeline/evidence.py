@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pymerkle import InclusionProof, InmemoryTree, verify_consistency, verify_inclusion
 from pymerkle.proof import InvalidProof
 
+from .errors import InputError
 from .privacy import write_secret_file
 
 SIGNING_KEY_ENV = "FORGETFUL_SIGNING_KEY_FILE"
@@ -38,7 +39,7 @@ LEDGER, CHECKPOINT = "ledger.jsonl", "checkpoint.json"
 LOG_ID = "forgetful deletion log v2"
 
 
-class EvidenceError(ValueError):
+class EvidenceError(InputError):
     """No usable signing key, or a log that cannot be appended to."""
 
 
@@ -189,6 +190,9 @@ def read_log(root: Path) -> Log:
         except json.JSONDecodeError as err:
             problems.append(f"ledger line {i + 1} is not JSON ({err.msg}); the log is corrupt")
             continue
+        if not isinstance(e, dict):
+            problems.append(f"ledger line {i + 1} is a JSON {type(e).__name__}, not an entry; the log is corrupt")
+            continue
         if canonical(e) != line:
             problems.append(f"ledger line {i + 1} is not canonical JSON (edited)")
         if e.get("seq") != len(entries):
@@ -219,7 +223,7 @@ def _evidence_of_a_longer_log(log: Log) -> list:
     for r in sorted((certs / "proofs").glob("[0-9]*.json")):
         try:
             size = int(json.loads(r.read_text())["checkpoint"]["size"])
-        except (ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):
             problems.append(f"receipt proofs/{r.name} cannot be read")
             continue
         if size > log.size:
@@ -335,10 +339,15 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None,
         problems.append(f"certificate {cert_path.name} is not in the log")
     rp = receipt_path(cert_path)
     receipt = read_json_object(rp, "the certificate's receipt") if rp.is_file() else None
+    lacking = receipt is not None and not (isinstance(receipt.get("checkpoint"), dict) and
+                                           {"root", "size"} <= set(receipt["checkpoint"]) and "proof" in receipt)
+    if lacking:
+        problems.append(f"the receipt proofs/{rp.name} lacks its checkpoint or proof (damaged or edited)")
+        receipt = None
     problems += signer_problems(log, receipt, anchor)
-    if receipt is None:
+    if receipt is None and not lacking:
         problems.append(f"the inclusion proof of {cert_path.name} (proofs/{rp.name}) is missing")
-    elif mine:
+    elif receipt is not None and mine:
         problems += check_consistency(log, receipt["checkpoint"], f"the checkpoint in proofs/{rp.name}")
         leaf = log.tree.get_leaf(log.entries.index(mine[0]) + 1)
         try:
@@ -353,10 +362,13 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None,
                 saved.get("public_key"):
             problems.append(f"the log is now signed by another key than the saved checkpoint {saved_checkpoint}")
     cert = read_json_object(cert_path, "certificate")
-    for name, v in (cert.get("verification") or {}).items():
-        if not v.get("passed"):
+    verification, scan = cert.get("verification") or {}, cert.get("residual_scan") or {}
+    if not isinstance(verification, dict) or not isinstance(scan, dict):
+        return problems + [f"certificate {cert_path.name} is not a deletion certificate's shape (damaged or edited)"]
+    for name, v in verification.items():
+        if not (isinstance(v, dict) and v.get("passed")):
             problems.append(f"memory {name} failed its refit verification")
-    if cert.get("residual_scan", {}).get("rows_remaining", 0):
+    if scan.get("rows_remaining", 0):
         problems.append("the post-deletion scan found remaining rows")
     return problems
 

@@ -50,6 +50,7 @@ from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, Me
                    shard_of, shard_path, shard_table, splice_shard, stage_meds, stays_path, write_codes_metadata,
                    write_dataset_metadata)
 from .migrate import check_format, mark_current
+from .errors import InputError
 from .deleted import DeletedSubjects, deleted_subjects, suppression_files
 from .privacy import HOW_TO, check_key, keyed_hash
 from .transaction import atomic_write_text
@@ -57,7 +58,7 @@ from .shard_changes import file_state, record_splice
 from .sharding import Sharding, is_recorded
 
 
-class ExtractionError(ValueError):
+class ExtractionError(InputError):
     """The source directory cannot be extracted as it is (missing table or column)."""
 
 
@@ -545,7 +546,7 @@ def _open_store(out: Path, key: bytes | None) -> tuple[bool, _Suppression | None
         raise ExtractionError(f"the store {out} has deleted patients on its suppression list; extracting into it "
                               f"needs the hash key that recognises them ({HOW_TO})")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    mark_current(out)       # before anything else is in it: a store beside a log is otherwise taken for format 2
     if key is None:
         return created, None
     check_key(out, key)
@@ -573,7 +574,6 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     paths, missing = ({}, []) if shards else check_source(source)
     check_format(out)
     created, suppressed = _open_store(out, key)
-    mark_current(out)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     con = connect(out / ".work", memory_limit=memory_limit, threads=threads)
     staging = staging_dir(out)      # patients' rows (of deleted ones too, before suppression): never kept

@@ -8,11 +8,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import Refusal
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 
-class WorkspaceLocked(RuntimeError):
+class WorkspaceLocked(Refusal, RuntimeError):
     """Another run or deletion holds the workspace lock."""
 
 

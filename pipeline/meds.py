@@ -38,6 +38,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import InputError
 from .extract_rules import sql_literal
 from .sharding import Sharding
 from .transaction import atomic_write_text
@@ -60,7 +61,7 @@ SHARD_ORDER = "subject_id, time NULLS FIRST, code, event_hash, occurrence"  # th
 CODE_COLUMNS = ("code", "description", "parent_codes", "count", "source_table")   # metadata/codes.parquet
 
 
-class MedsSourceError(ValueError):
+class MedsSourceError(InputError):
     """A MEDS source directory that cannot be read as one (missing metadata, a wrong column type)."""
 
 

@@ -32,6 +32,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from .errors import InputError
 from .evidence import CHECKPOINT, LEDGER, canonical, load_signing_key, new_entry, read_log, receipt_path, sha256_text
 from .extract_rules import DEATH_CODE, DEATH_DATE_ONLY, LEGACY_DEATH_DATE_CODE, sql_literal
 from .locking import workspace_lock
@@ -47,7 +48,7 @@ LEGACY_CERTIFICATES = "legacy-v1"
 OLD_DEATH = {"DEATH": DEATH_CODE, "DEATH//DOD": LEGACY_DEATH_DATE_CODE}
 
 
-class MigrationError(ValueError):
+class MigrationError(InputError):
     """A workspace of another format than this release's, or one that cannot be migrated as it is."""
 
 
@@ -60,7 +61,9 @@ def store_format(store: Path) -> int | None:
         return int(json.loads(f.read_text())["format"])
     if (store / "events").is_dir():
         return 1
-    if (store / "data").is_dir() or (store.parent / LEDGER).exists():
+    # a store of format 2 had no format file; one with no data yet was recognised by its workspace's log. No
+    # store at all is a new one (lost, or an auditor's copy without it): the log is no sign of its format
+    if (store / "data").is_dir() or (store.is_dir() and (store.parent / LEDGER).exists()):
         return 2
     return None
 

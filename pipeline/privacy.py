@@ -22,6 +22,8 @@ from pathlib import Path
 
 import polars as pl
 
+from .errors import InputError
+
 KEY_ENV = "FORGETFUL_HASH_KEY"
 KEY_FILE_ENV = "FORGETFUL_HASH_KEY_FILE"
 FINGERPRINT_FILE = "key_fingerprint.json"
@@ -30,7 +32,7 @@ HOW_TO = (f"create a key with `forgetful keygen PATH` (a path outside the worksp
           f"(or {KEY_ENV} to the secret itself)")
 
 
-class HashKeyError(ValueError):
+class HashKeyError(InputError):
     """No usable hash key, a key kept inside the workspace, or a key other than the store's."""
 
 
@@ -150,8 +152,8 @@ def check_key(store: Path, key: bytes, workspace: Path | None = None) -> None:
         if recorded is not None and recorded != mine:
             what = "the store" if f.parent == store else "the workspace"
             raise HashKeyError(f"the hash key is not the one {what} {f.parent} was built with (fingerprint "
-                               f"{mine[:12]}..., recorded {recorded[:12]}... in {f}): under another key deleted patients are not "
-                               f"recognised and would be re-ingested; use the original key")
+                               f"{mine[:12]}..., recorded {recorded[:12]}... in {f}): under another key deleted "
+                               f"patients are not recognised and would be re-ingested; use the original key")
     for f in files if store.exists() else []:       # nothing is written before the store is
         if f.parent.exists() and not f.exists():
             tmp = f.with_suffix(".tmp")

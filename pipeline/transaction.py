@@ -27,11 +27,20 @@ def crash_point(step: str) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (readers see the old or the new file; the
-    temporary name ends in ``.tmp``, so a glob of the final names never sees it)."""
+    temporary name ends in ``.tmp``, so a glob of the final names never sees it). The temporary file is new and
+    never a link: a symlink planted at its name (which is unique) cannot send the text outside the folder, and
+    the rename replaces a link at ``path`` itself, never its target."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 class Transaction:
     def __init__(self, root: Path, name: str | None = None):

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from cohorts.stream_mode import StreamMode
+from pipeline.errors import InputError
 
 DEFAULT_CRON = "0 2 * * *"          # the deployment's nightly schedule (prefect.yaml says the same; a test checks)
 STAY_MEMORY_BUDGET = 64             # per-stay SV memories are persisted at this budget when the run has it
@@ -24,7 +25,7 @@ _UNIT_BYTES = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 MIN_MEMORY_LIMIT = 64 * 2**20      # below it DuckDB cannot hold one source file's read buffers
 
 
-class RunParamsError(ValueError):
+class RunParamsError(InputError):
     """A run parameter out of its range: the same one-line refusal from the CLI, ``WS/run.json`` and a
     deployment's parameters, before anything is written."""
 

@@ -4,7 +4,7 @@ import math
 
 import polars as pl
 
-from deletion.compare import RUN_BOOKKEEPING, _leaves, _rows_differing, _table
+from deletion.compare import RUN_BOOKKEEPING, json_leaves, _rows_differing, _table
 
 
 def test_rows_are_compared_as_multisets_with_nulls_equal():
@@ -19,17 +19,17 @@ def test_report_numbers_within_atol_bookkeeping_left_out_nan_equals_nan(tmp_path
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"x": [1.0, 2.0], "p": math.nan, "seconds": 3, "only_a": 1}))
     b.write_text(json.dumps({"x": [1.0, 2.0 + 1e-13], "p": math.nan, "seconds": 9}))
-    d = _leaves("report", a, b, atol=1e-12, skip=RUN_BOOKKEEPING, numbers_only=True)
+    d = json_leaves("report", a, b, atol=1e-12, skip=RUN_BOOKKEEPING, numbers_only=True)
     assert (d.compared, d.differing) == (4, 1) and 0 < d.max_abs < 1e-12
-    assert _leaves("report", a, b, atol=0.0, skip=RUN_BOOKKEEPING, numbers_only=True).differing == 2
+    assert json_leaves("report", a, b, atol=0.0, skip=RUN_BOOKKEEPING, numbers_only=True).differing == 2
 
 
 def test_other_leaves_compare_exactly_unless_numbers_only(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"scaling": "reference", "hr": {"mean": 90.0}, "fitted": False}))
     b.write_text(json.dumps({"scaling": "training_split", "hr": {"mean": 90.0}, "fitted": True}))
-    assert _leaves("s", a, b, atol=0.0).differing == 2
-    assert _leaves("s", a, b, atol=0.0, numbers_only=True).differing == 0
+    assert json_leaves("s", a, b, atol=0.0).differing == 2
+    assert json_leaves("s", a, b, atol=0.0, numbers_only=True).differing == 0
 
 
 def test_a_table_s_row_order_counts_and_event_order_does_not(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from cohorts.definitions import install_config, is_eval_subject, resolve_config, workspace_config
 from deletion import DeletionFailed, delete_subject, delete_subjects
-from deletion.compare import compare_workspaces
+from deletion.compare import RUN_BOOKKEEPING, compare_workspaces, json_leaves
 from memory.cohort import CohortMemory, owner_of
 from pipeline.extract import extract
 from pipeline.generate import GeneratorConfig, generate
@@ -255,3 +255,44 @@ def test_a_replay_of_an_evaluation_patient_rescores_no_other_stay(full, tmp_path
     assert cert["removed"]["per_stay_memories"] > 0
     assert len(after) == len(before) - cert["removed"]["per_stay_memories"]
     assert after == {name: t for name, t in before.items() if name in after}
+
+
+@pytest.mark.slow
+def test_after_a_store_loss_and_a_rebuild_from_the_source_the_run_is_one_that_never_saw_the_patient(full, tmp_path):
+    """The audit's case: with the store lost, a rebuild from the source (which still holds the patient) brought
+    the deleted patient back while their certificate still verified. The workspace's list and the certificate
+    keep them out; the run after the rebuild is the never-saw run."""
+    source, ws = full
+    sid = first_subject(ws, eval_split=True)
+    deleted = copy_ws(ws, tmp_path / "deleted")
+    _, path = delete_subject(deleted, sid, mode="replay")
+    shutil.rmtree(deleted.store)
+    rebuilt = extract(source, deleted.store, key=load_key())
+    assert rebuilt.suppressed_rows > 0 and rebuilt.suppressed_certificates == path.name
+    run(deleted)
+    never = never_saw(source, tmp_path, [sid])
+    # a rerun: the cohort memory (equal, compared above) is fed nothing new, where the never-saw run fed it all
+    assert [d.artifact for d in compare_workspaces(deleted, never, atol=1e-12) if not d.equal] in \
+        ([], ["report.json numbers"])
+    assert json_leaves("report", deleted.report_json, never.report_json, 1e-12,
+                   skip=RUN_BOOKKEEPING | {"fed"}, numbers_only=True).differing == 0
+    assert verify_certificate(path, None, TrustAnchor(public_hex(load_signing_key(deleted.root)), "test")) == []
+
+
+@pytest.mark.slow
+def test_a_store_restored_from_a_backup_older_than_a_deletion_loses_the_patient_again(full, tmp_path):
+    from deletion import reapply_deletions, scan_subject
+    source, ws = full
+    sid = first_subject(ws, eval_split=False)
+    deleted = copy_ws(ws, tmp_path / "deleted")
+    backup = tmp_path / "store-backup"
+    shutil.copytree(deleted.store, backup)
+    _, path = delete_subject(deleted, sid, mode="replay")
+    shutil.rmtree(deleted.store)
+    shutil.copytree(backup, deleted.store)             # the older store, the patient's rows in it
+    assert scan_subject(deleted, sid)[0]["events"] > 0
+    again = reapply_deletions(deleted)
+    assert again.subjects == 1 and again.rows > 0 and again.certificates == path.name
+    assert not any(scan_subject(deleted, sid)[0].values())
+    assert reapply_deletions(deleted) is None       # the store's own list is whole again
+    assert verify_certificate(path, None, TrustAnchor(public_hex(load_signing_key(deleted.root)), "test")) == []

@@ -307,3 +307,38 @@ def test_a_deployment_s_parameters_get_the_cli_s_checks_before_anything_is_writt
     with pytest.raises(RunParamsError, match="run.json: memory limit 'abc'"):
         scheduled_run.fn(root=str(ws.root))
     assert not (tmp_path / "ws").exists() and sorted(p.name for p in ws.root.iterdir()) == ["run.json"]
+
+
+def test_exit_classes_follow_the_cause(tmp_path, capsys, monkeypatch):
+    """The audit's wrong exit classes: a damaged key_fingerprint.json said "error: 'fingerprint'" (a KeyError
+    taken for input); a builtin KeyError or ValueError of ours is a defect (exit 1), our own types input (2)."""
+    from flows.failures import failure_status
+    from pipeline.errors import EnvironmentProblem, InputError, Refusal
+    ws = Workspace(tmp_path / "ws")
+    ws.store.mkdir(parents=True)
+    (ws.store / "key_fingerprint.json").write_text("{}")
+    assert main(["run", "--out", str(ws.root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forgetful: error: ") and "key_fingerprint.json is damaged" in err
+    assert [failure_status(e) for e in (KeyError("fingerprint"), ValueError("x"), AttributeError("y"),
+                                        InputError("a"), Refusal("b"), EnvironmentProblem("c"),
+                                        OSError(28, "No space left on device"))] == [1, 1, 1, 2, 2, 2, 2]
+    monkeypatch.setattr("flows.cli._run", lambda args: {}["a key our code expected"])
+    assert main(["run", "--out", str(ws.root)]) == 1
+    assert capsys.readouterr().err.startswith("forgetful: internal error: KeyError")
+
+
+@pytest.mark.slow
+def test_a_configured_api_that_does_not_answer_is_one_line_exit_2(tmp_path):
+    """A closed PREFECT_API_URL port gave "internal error: RuntimeError" (exit 1)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]           # closed once the block ends: nothing listens there
+    env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
+    p = _cli("run", "--out", str(tmp_path / "ws"), "--budgets", "8", env=env)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()[:-1]
+    assert lines[-1].startswith("forgetful: error: the Prefect API configured in PREFECT_API_URL") and \
+        f":{port}/api" in lines[-1] and "Traceback" not in p.stderr
+    assert not (tmp_path / "ws").exists()

@@ -143,3 +143,104 @@ def test_a_desk_that_ends_holding_the_request_is_one_line_and_the_next_desk_clea
     assert len(list((ws.desk / "taken").glob("*.json"))) == 1
     with open_desk(ws, lambda r: DeletionOutcome()):
         assert list((ws.desk / "taken").glob("*.json")) == []
+
+
+def _answer_to(ws, name, request: dict, timeout=10.0):
+    """Write a request file by hand (as anyone who may write the workspace can) and wait for its reply."""
+    atomic = ws.desk / "requests" / f"{name}.json.part"
+    atomic.write_text(json.dumps(request))
+    atomic.rename(ws.desk / "requests" / f"{name}.json")
+    reply = ws.desk / "replies" / f"{name}.json"
+    deadline = time.monotonic() + timeout
+    def written():
+        return reply.is_file() and not reply.is_symlink()
+    while not written() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return json.loads(reply.read_text()) if written() else None
+
+
+def _rejected(ws):
+    return sorted(p.name.split(".json")[0] for p in (ws.desk / "rejected").iterdir()) \
+        if (ws.desk / "rejected").exists() else []
+
+
+def test_the_desk_is_a_hardened_door(tmp_path, capfd):
+    """The audit's cases: a symlink planted at a reply's temporary name made the desk write outside the workspace;
+    a FIFO in requests/ hung the desk (and the command); a folder named <id>.json killed the desk's thread
+    silently and blocked the next serve; a failed request's traceback never reached serve's output; a request
+    naming a raw id reached Prefect's database and the reply."""
+    import os
+    ws = Workspace(tmp_path / "ws")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("untouched")
+    handled = []
+
+    def handle(request):
+        handled.append(request.subject_hashes)
+        if request.mode == "replay":
+            raise RuntimeError("a defect of ours")
+        return DeletionOutcome(certificates=("000000.json",))
+    with open_desk(ws, handle) as desk:
+        replies = ws.desk / "replies"
+        for planted in ("link.json.tmp", "link.json"):         # links at the reply's names, pointing outside
+            os.symlink(outside, replies / planted)
+        assert _answer_to(ws, "link", {"subject_hashes": [HASHES[0]]})["certificates"] == ["000000.json"]
+        assert outside.read_text() == "untouched" and not (replies / "link.json").is_symlink()
+        os.mkfifo(ws.desk / "requests" / "fifo.json")          # would block an open() for ever
+        (ws.desk / "requests" / "folder.json").mkdir()
+        os.symlink(outside, ws.desk / "requests" / "symlink.json")
+        assert _answer_to(ws, "after", {"subject_hashes": [HASHES[1]]})["certificates"] == ["000000.json"]
+        assert desk.thread.is_alive() and {"fifo", "folder", "symlink"} <= set(_rejected(ws))
+        raw = _answer_to(ws, "raw", {"subject_hashes": ["10006"]})
+        assert raw["failure_status"] == 2 and "not keyed hashes" in raw["failure"] and "10006" not in raw["failure"]
+        assert not any("10006" in p.read_text() for p in ws.desk.rglob("*") if p.is_file() and not p.is_symlink())
+        garbled = _answer_to(ws, "garbled", {"subject_hashes": [HASHES[0]], "mode": "everything"})
+        assert garbled["failure_status"] == 2 and "mode" in garbled["failure"]
+        failed = _answer_to(ws, "failed", {"subject_hashes": [HASHES[0]], "mode": "replay"})
+        assert failed["failure_status"] == 1 and "a defect of ours" in failed["failure"]
+        assert handled == [(HASHES[0],), (HASHES[1],), (HASHES[0],)]     # nothing malformed reached the handler
+    err = capfd.readouterr().err
+    assert "set aside requests/fifo.json: not a regular file (a FIFO)" in err
+    assert "set aside requests/folder.json: not a regular file (a folder)" in err
+    assert "Traceback" in err and "RuntimeError: a defect of ours" in err and "10006" not in err
+    assert outside.read_text() == "untouched"
+    (ws.desk / "taken" / "left.json").mkdir()           # blocked the next serve until cleaned by hand
+    with open_desk(ws, handle) as again:
+        assert again is not None and again.thread.is_alive()
+        assert _answer_to(ws, "next", {"subject_hashes": [HASHES[0]]})["certificates"] == ["000000.json"]
+
+
+def test_a_command_killed_while_waiting_withdraws_its_request_and_a_dead_command_s_request_is_not_run(tmp_path):
+    """The audit's FIFO case: once unblocked, the desk deleted with no command waiting (SIGTERM left the
+    request behind)."""
+    import os
+    import signal
+    ws = Workspace(tmp_path / "ws")
+    handled = []
+    gate = threading.Event()
+
+    def warm():
+        gate.wait(30)           # open, not answering yet: the request waits in requests/
+    with open_desk(ws, lambda r: handled.append(r) or DeletionOutcome(), warm=warm):
+        code = ("import sys; from flows.deletion_desk import submit, DeletionRequest; "
+                "from pipeline.workspace import Workspace; submit(Workspace(sys.argv[1]), DeletionRequest(('"
+                + HASHES[0] + "',)))")
+        proc = subprocess.Popen([sys.executable, "-c", code, str(ws.root)], cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while not list((ws.desk / "requests").glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list((ws.desk / "requests").glob("*.json"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert list((ws.desk / "requests").glob("*.json")) == []          # withdrawn
+        # a command killed outright (SIGKILL) cannot withdraw: the desk sees that it has ended
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        (ws.desk / "requests" / "orphan.json").write_text(json.dumps({"subject_hashes": [HASHES[1]],
+                                                                       "requester_pid": dead.pid}))
+        gate.set()
+        deadline = time.monotonic() + 10
+        while (ws.desk / "requests" / "orphan.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+    assert handled == [] and "orphan" in _rejected(ws) and not (ws.desk / "replies" / "orphan.json").exists()

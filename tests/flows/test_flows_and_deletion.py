@@ -505,10 +505,10 @@ def test_serve_takes_the_workspaces_deletion_requests_in_its_own_process(token_w
         assert verify_certificate(ws.certificates / "000000.json") == [] and not any(scan_subject(ws, first)[0].values())
         again = delete("--subject-id", str(first))
         assert again.returncode == 0 and "nothing to do" in again.stdout
-        # a flow that fails, not a refusal (a mode the command line would not let through): answered in one line
-        # with the exit status the command would give it, and the desk goes on
+        # a request the command line would not let through (a mode it does not know): refused by the desk before
+        # any flow sees it, in one line with exit status 2, and the desk goes on
         failed = submit(ws, DeletionRequest((hash_of(second),), mode="bogus"))
-        assert failed.failure.startswith("ValueError: mode must be one of") and failed.failure_status == 2
+        assert failed.failure.startswith("the deletion request is malformed") and failed.failure_status == 2
         assert any(scan_subject(ws, second)[0].values())          # nothing of them was deleted
     finally:
         serve.terminate()
@@ -517,3 +517,29 @@ def test_serve_takes_the_workspaces_deletion_requests_in_its_own_process(token_w
     assert alone.returncode == 0 and "sent to" not in alone.stdout, alone.stdout + alone.stderr
     assert verify_certificate(ws.certificates / "000001.json") == [] and not any(scan_subject(ws, second)[0].values())
     assert not raw_id_hits(ws.root, [first, second])
+
+
+def test_a_lost_store_never_brings_a_deleted_patient_back(workspace, source, tmp_path, capsys):
+    """The audit's case: with WS/store removed, every command said "written by an earlier release ... run forgetful
+    migrate first", and `migrate` then `run` re-ingested the deleted patient while their certificate verified."""
+    from flows.cli import main
+    from flows.prefect_flows import delete_patients, scheduled_run
+    from pipeline.evidence import load_signing_key, public_hex
+    ws = copy_ws(workspace[0], tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    cert = Path(delete_patients(str(ws.root), [hash_of(sid)])["certificates"][0])
+    auditor = tmp_path / "auditor"             # what an auditor keeps: the log, its checkpoint, the certificates
+    shutil.copytree(ws.certificates, auditor / "certificates")
+    for f in ("ledger.jsonl", "checkpoint.json"):
+        shutil.copy(ws.root / f, auditor / f)
+    shutil.rmtree(ws.store)
+    key = public_hex(load_signing_key(ws.root))
+    assert main(["verify", str(auditor / "certificates" / cert.name), "--public-key", key]) == 0
+    assert main(["migrate", str(ws.root)]) == 0
+    assert "nothing to migrate" in capsys.readouterr().out
+    out = scheduled_run(root=str(ws.root), source=str(source), **RUN)
+    assert not any(scan_subject(ws, sid)[0].values())
+    ingest = out["result"].metadata["ingest"]
+    assert ingest["suppressed_rows"] > 0 and ingest["suppressed_certificates"] == cert.name
+    assert main(["verify", str(cert), "--public-key", key]) == 0
+    assert "already_deleted" in delete_patients(str(ws.root), [hash_of(sid)])

@@ -116,3 +116,19 @@ def test_a_corrupt_line_is_named_and_the_signing_key_must_live_outside(signed, m
     monkeypatch.setenv("FORGETFUL_SIGNING_KEY_FILE", str(write_signing_key(ws / "signing.pem")))
     with pytest.raises(EvidenceError, match="inside the workspace"):
         load_signing_key(ws)
+
+
+@pytest.mark.parametrize("damage, finding", [
+    (lambda ws: (ws / LEDGER).write_text("5\n"), "ledger line 1 is a JSON int, not an entry"),
+    (lambda ws: receipt_path(cert(ws, 1)).write_text(json.dumps({"index": 2, "proof": {}})),
+     "the receipt proofs/000001.json lacks its checkpoint or proof"),
+])
+def test_the_audit_s_damaged_logs_are_a_verdict_not_an_internal_error(signed, capsys, damage, finding):
+    """A ledger line `5` gave "internal error: AttributeError", a receipt without `checkpoint` "error:
+    'checkpoint'": both are findings about the log (verify's exit 1 with FAILED lines), never our defect."""
+    from flows.cli import main
+    ws, _, _ = signed
+    damage(ws)
+    assert main(["verify", str(cert(ws, 1))]) == 1
+    out = capsys.readouterr()
+    assert finding in out.out and "internal error" not in out.err and "Traceback" not in out.err

@@ -1,0 +1,62 @@
+"""Deletions applied again to a store that lost them: rebuilt after a loss, or restored from an older backup.
+
+The workspace's suppression list and its certificates outlive the store (:mod:`pipeline.deleted`). A store whose
+own list lacks a subject they name predates that deletion: any row it holds of them goes again, in one
+transaction, before a run or a deletion reads it; no new certificate is issued (the subject's certificate stands,
+and still verifies), and the store's list is made whole, so the next check is a comparison of two lists.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.deleted import deleted_subjects, suppression_files
+from pipeline.transaction import Transaction
+
+from .plan import check_subject, subjects_by_hash
+from .store import remove_stay_artifacts, rewrite_store
+
+if TYPE_CHECKING:
+    from pipeline.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class Reapplied:
+    """What a store held again of deleted subjects: how many, their rows, and their certificates (a few named)."""
+    subjects: int
+    rows: int
+    certificates: str
+
+    def line(self) -> str:
+        return (f"the store held {self.rows} row(s) of {self.subjects} deleted patient(s) again (restored from a "
+                f"backup older than their deletion?); removed again, under their certificates {self.certificates}")
+
+
+def reapply_deletions(ws: Workspace) -> Reapplied | None:
+    """Remove again every deleted subject the store holds but its own suppression list lacks (the caller holds the
+    workspace lock); None when the store's list names everyone the workspace does."""
+    if not ws.store.exists():
+        return None
+    deleted = deleted_subjects(ws.store, ws.root)
+    missing = deleted.missing_from_store()
+    if not missing:
+        return None
+    back = {sid: h for h, sid in subjects_by_hash(ws, set(missing)).items()}
+    txn = Transaction(ws.root)
+    try:
+        if back:
+            removed = rewrite_store(ws, txn, back)
+            remove_stay_artifacts(ws, txn, {sid: check_subject(ws, sid)[1] for sid in back})
+        else:
+            hashes = json.dumps(sorted(deleted.certificates))
+            for f in suppression_files(ws.store, ws.root):
+                txn.stage(f).write_text(hashes)
+    except BaseException:
+        txn.abort()
+        raise
+    txn.commit()
+    if not back:
+        return None
+    rows = sum(sum(r["events_by_table"].values()) + r["quarantine_rows"] for r in removed.values())
+    return Reapplied(len(back), rows, deleted.named(back.values()))
