@@ -7,7 +7,9 @@ Sources are the embedded generator's MIMIC-IV-shaped data and MEDS datasets buil
 the deletion-evidence cases damage a workspace that has issued a certificate. A case passes when the command says
 what went wrong in exactly one line, its last (a run may have printed its progress before), with no traceback, and
 exits with the status a user can act on: 2 (0 for "nothing to do"; 1 for verify's verdict that the log it read is
-corrupt or tampered with, a finding rather than an input it could not read).
+corrupt or tampered with, a finding rather than an input it could not read). A case marked "completes" (a
+malformed row, a lost store) passes when the command completes (exit 0) without a traceback and, where it names
+one, says the line it must (the deleted patients it left out).
 """
 from __future__ import annotations
 
@@ -121,7 +123,37 @@ def cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
              {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}),
             ("delete from a workspace without a store", ["delete", "--out", str(work / "no-store"), "--subject-id",
                                                          "1"], {})]
+    out += audit_cases(work, src)
     return out
+
+
+def audit_cases(work: Path, src: Path) -> list[tuple]:
+    """The boundary audit's cases (issue 44): options checked before anything is written, short keys, an API
+    that does not answer, a malformed source row (completes: quarantined), a request of 100,000 ids."""
+    import socket
+
+    def bad_rows(d):
+        p = d / "icu" / "chartevents.csv.gz"
+        rows = gzip.decompress(p.read_bytes()).decode().splitlines()
+        first = rows[1].split(",")
+        rows += [",".join(["abc"] + first[1:]), rows[0]]        # a non-numeric subject_id, a repeated header
+        p.write_bytes(gzip.compress(("\n".join(rows) + "\n").encode()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    ids = _write(work / "100k-ids.txt", "\n".join(str(900_000_000 + i) for i in range(100_000)) + "\n")
+    return [("--workers -3", ["run", "--workers", "-3"], {}),
+            ("--workers 0", ["run", "--workers", "0"], {}),
+            ("--memory-limit abc", ["run", "--memory-limit", "abc"], {}),
+            ("--max-events 0", ["run", "--max-events", "0"], {}),
+            ("--cohort-budget 0", ["serve", "--cohort-budget", "0"], {}),
+            ("FORGETFUL_HASH_KEY of 3 characters", ["run"], {"FORGETFUL_HASH_KEY": "abc"}),
+            ("PREFECT_API_URL on a closed port", ["run"], {"PREFECT_API_URL": f"http://127.0.0.1:{closed}/api"}),
+            ("a chartevents row with a non-numeric subject_id and a repeated header", ["run", "--source", str(
+                damaged_copy(src, work / "bad-rows", bad_rows)), "--budgets", "8", "--fractions", ""], {},
+             "completes"),
+            ("delete: a subjects file of 100,000 unknown ids", ["delete", "--out", str(work / "no-store-100k"),
+                                                               "--subjects-file", str(ids)], {})]
 
 
 def _write(path: Path, text: str) -> Path:
@@ -177,6 +209,25 @@ def evidence_cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
                                                           str(_write(work / "saved.json", "{"))], {}))
     d = damaged_copy(ws, work / "ws-damaged-delete", lambda d: _cut(d / "checkpoint.json"))
     out.append(("delete: a truncated checkpoint.json", ["delete", "--out", str(d), "--subject-id", other], {}))
+    # the boundary audit's (issue 44)
+    for name, edit in {"verify: a ledger line `5`": lambda d: (d / "ledger.jsonl").open("a").write("5\n"),
+                       "verify: a receipt without its checkpoint": lambda d: _write(
+                           d / "certificates" / "proofs" / "000000.json", '{"index": 1, "proof": {}}')}.items():
+        d = damaged_copy(ws, work / f"ws-damaged-{len(out)}", edit)
+        out.append((name, ["verify", str(d / "certificates" / cert.name)], {}))
+    d = damaged_copy(ws, work / "ws-damaged-fingerprint", lambda d: _write(d / "store" / "key_fingerprint.json",
+                                                                           "{}"))
+    out.append(("run: a damaged key_fingerprint.json", ["run", "--out", str(d)], {}))
+    d = damaged_copy(ws, work / "ws-lost-store", lambda d: shutil.rmtree(d / "store"))
+    out.append(("run: the store lost (rm -rf WS/store), the source still holding the deleted patient",
+                ["run", "--out", str(d)], {}, "completes", "left out"))
+    auditor = work / "auditor"
+    shutil.rmtree(auditor, ignore_errors=True)
+    shutil.copytree(ws / "certificates", auditor / "certificates")
+    for f in ("ledger.jsonl", "checkpoint.json"):
+        shutil.copy(ws / f, auditor / f)
+    out.append(("verify: an auditor's copy without the store", ["verify", str(auditor / "certificates" / cert.name)],
+                {}, "completes"))
     return out
 
 
@@ -192,11 +243,18 @@ def main(argv=None):
     work = a.work or Path(tempfile.mkdtemp(prefix="forgetful-bad-inputs-"))
     env = bench_env(work)
     results = []
-    for name, args, extra in cases(work, env) + evidence_cases(work, env):
+    for name, args, extra, *expect in cases(work, env) + evidence_cases(work, env):
         run_env = {k: v for k, v in (env | extra).items() if v is not None}
-        if "--out" not in args and args[0] in ("run", "delete"):
+        if "--out" not in args and args[0] in ("run", "delete", "serve"):
             args = args + ["--out", str(work / f"ws-{len(results)}")]
         code, lines = cli(args, run_env)
+        if expect and expect[0] == "completes":
+            must = expect[1] if len(expect) > 1 else None
+            ok = code == 0 and not any("Traceback" in x for x in lines) and (
+                must is None or any(x.startswith("forgetful:") and must in x for x in lines))
+            shown = next((x for x in lines if must and must in x), lines[-1] if lines else "")
+            results.append((name, code, len(lines), shown, ok))
+            continue
         said = [x for x in lines if x.startswith(("forgetful:", "FAILED:")) or "Traceback" in x or "| ERROR" in x]
         one = said == lines[-1:] and bool(said)
         verdict = code == 1 and args[0] == "verify" and said and said[0].startswith("FAILED:")

@@ -68,6 +68,9 @@ class PendingServer:
     start_lock: IO | None = None
     home: Path | None = None
     settings_env: dict | None = None
+    # Prefect's services (its scheduler among them) on: a server that lives as long as ``serve``, whose
+    # deployment's cron must fire. An ephemeral server runs none of them, so a schedule never made a flow run.
+    scheduler: bool = False
 
     @property
     def api_url(self) -> str:
@@ -81,6 +84,8 @@ def _launch(pending: PendingServer) -> None:
     pending.port = _free_port()
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
            **(pending.settings_env or {})}
+    if pending.scheduler:
+        env.pop("PREFECT__SERVER_EPHEMERAL")
     # Prefect's package folder, found without importing Prefect (its import is what the early launch saves)
     app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
     pending.process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
@@ -92,13 +97,13 @@ def _launch(pending: PendingServer) -> None:
                      stderr=subprocess.DEVNULL)
 
 
-def _start(home: Path, settings_env: dict | None = None) -> PendingServer:
+def _start(home: Path, settings_env: dict | None = None, scheduler: bool = False) -> PendingServer:
     # Servers started together on a fresh PREFECT_HOME race on creating its database ("index ... already
     # exists"): one at a time from launch until the server answers, i.e. until its migrations are done.
     home.mkdir(parents=True, exist_ok=True)
     lock = open(home / ".forgetful-server-start.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
-    pending = PendingServer(start_lock=lock, home=home, settings_env=settings_env)
+    pending = PendingServer(start_lock=lock, home=home, settings_env=settings_env, scheduler=scheduler)
     _launch(pending)
     # Stopped at exit, as Prefect stops its own: registered before Prefect's log and event services start, so
     # their exit hooks (which drain into the server) run first.
@@ -106,7 +111,7 @@ def _start(home: Path, settings_env: dict | None = None) -> PendingServer:
     return pending
 
 
-def launch_early() -> PendingServer | None:
+def launch_early(scheduler: bool = False) -> PendingServer | None:
     """Start the temporary server from the environment alone, before Prefect is imported here; None when the
     environment names an API (PREFECT_API_URL) or the home's database is not made yet (a server stopped by a
     refusal while it creates one would leave it half made: the first command's server starts after its checks).
@@ -117,21 +122,22 @@ def launch_early() -> PendingServer | None:
     home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().resolve()
     if not (home / "prefect.db").exists():
         return None
-    return _start(home)
+    return _start(home, scheduler=scheduler)
 
 
-def begin(early: PendingServer | None = None) -> PendingServer:
+def begin(early: PendingServer | None = None, scheduler: bool = False) -> PendingServer:
     """The temporary server on its way up, without waiting for it: ``early``'s when Prefect's settings agree
-    with the environment it was launched from, else one started now; nothing when an API URL is configured."""
+    with the environment it was launched from, else one started now; nothing when an API URL is configured.
+    ``scheduler``: with Prefect's services, its scheduler among them (``serve``: the schedule must fire)."""
     from prefect.settings import PREFECT_API_URL, get_current_settings
     settings = get_current_settings()
     home = Path(settings.home).expanduser().resolve()
-    if early is not None and (PREFECT_API_URL.value() or early.home != home):
+    if early is not None and (PREFECT_API_URL.value() or early.home != home or early.scheduler != scheduler):
         stop(early)     # a profile or settings file names an API or another home than the environment did
         early = None
     if PREFECT_API_URL.value():
         return PendingServer(configured_url=PREFECT_API_URL.value())
-    return early or _start(home, settings.to_environment_variables(exclude_unset=True))
+    return early or _start(home, settings.to_environment_variables(exclude_unset=True), scheduler=scheduler)
 
 
 def wait_until_up(pending: PendingServer) -> str:

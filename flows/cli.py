@@ -496,7 +496,8 @@ def _run(args):
         if sent is not None:
             return sent
     from flows.api_server import begin, launch_early
-    early = launch_early()
+    serving = args.cmd == "serve"
+    early = launch_early(scheduler=serving)
     # While the server boots: a deletion's check of its subjects (it imports the deletion's modules and reads
     # the workspace's memories: seconds, which the server used to wait for), Prefect's import, the flows'
     # imports, scikit-learn's among them (memory.libsvm imports it on first use so that the checks above, before
@@ -504,7 +505,7 @@ def _run(args):
     if args.cmd == "delete":
         from pipeline.workspace import Workspace
         args.subject_ids = _deletable(args, Workspace(args.out))
-    server = begin(early)
+    server = begin(early, scheduler=serving)
     import flows.prefect_flows  # noqa: F401
     import sklearn.svm  # noqa: F401
     from pipeline import progress

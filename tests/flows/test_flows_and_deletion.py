@@ -543,3 +543,37 @@ def test_a_lost_store_never_brings_a_deleted_patient_back(workspace, source, tmp
     assert ingest["suppressed_rows"] > 0 and ingest["suppressed_certificates"] == cert.name
     assert main(["verify", str(cert), "--public-key", key]) == 0
     assert "already_deleted" in delete_patients(str(ws.root), [hash_of(sid)])
+
+
+@pytest.mark.slow
+def test_serve_without_a_configured_api_runs_its_cron_schedule(tmp_path):
+    """The audit's case: `serve --cron "* * * * *"` ran no flow in 150 s without PREFECT_API_URL, its temporary
+    server being ephemeral (Prefect runs no scheduler there). Two scheduled runs complete within four minutes."""
+    import sqlite3
+    import time
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_LOGGING"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--out", str(ws), "--cron", "* * * * *",
+                             "--budgets", "8", "--fractions", "", "--cohort-budget", "16", "--workers", "1",
+                             "--task-runner", "thread"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def completed() -> int:
+        try:
+            with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db", timeout=5) as db:
+                return db.execute("SELECT count(*) FROM flow_run r JOIN flow f ON r.flow_id = f.id WHERE f.name = "
+                                  "'forgetful-scheduled-run' AND r.state_type = 'COMPLETED' AND "
+                                  "r.deployment_id IS NOT NULL").fetchone()[0]
+        except sqlite3.Error:
+            return 0
+    try:
+        deadline = time.monotonic() + 240
+        while completed() < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(5)
+        assert completed() >= 2, proc.stdout.read() if proc.poll() is not None else "fewer than two runs"
+        assert (ws / "report.html").exists()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-3000:]
