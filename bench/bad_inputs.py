@@ -89,14 +89,15 @@ def cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
            ("an unknown config name", ["run", "--config", "no-such-config"], {}),
            ("a config that is not YAML", ["run", "--config", str(_write(work / "configs" / "bad.yaml", "a: [1,\n"))],
             {})]
-    edits = {"nu: 0": lambda c: c.fixed_context.update(nu=0),
-             "sigma: 0": lambda c: c.fixed_context.update(sigma=0),
-             "a misspelled nested key (nuu)": lambda c: c.fixed_context.update(
-                 nuu=c.fixed_context.pop("nu")),
-             "an unknown label in the streaming selection": lambda c: c.streaming.update(
+    fixed = lambda c: c["protocols"]["fixed_context"]     # noqa: E731
+    streaming = lambda c: c["protocols"]["streaming"]     # noqa: E731
+    edits = {"nu: 0": lambda c: fixed(c).update(nu=0),
+             "sigma: 0": lambda c: fixed(c).update(sigma=0),
+             "a misspelled nested key (nuu)": lambda c: fixed(c).update(nuu=fixed(c).pop("nu")),
+             "an unknown label in the streaming selection": lambda c: streaming(c).update(
                  select_label="composite_vital"),
-             "an infeasible nu grid (1.5)": lambda c: c.streaming.update(nu_grid=[0.3, 1.5]),
-             "a negative nu": lambda c: c.streaming.update(nu_grid=[-0.3]),
+             "an infeasible nu grid (1.5)": lambda c: streaming(c).update(nu_grid=[0.3, 1.5]),
+             "a negative nu": lambda c: streaming(c).update(nu_grid=[-0.3]),
              "an unknown held-out channel": lambda c: c["token_labels"]["heldout_spo2"].update(heldout_channel="sp02"),
              "an unknown threshold channel": lambda c: c["token_labels"]["composite_vitals"]["thresholds"].update(
                  hrr={"above": 1}),
@@ -218,8 +219,10 @@ def evidence_cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
     d = damaged_copy(ws, work / "ws-damaged-fingerprint", lambda d: _write(d / "store" / "key_fingerprint.json",
                                                                            "{}"))
     out.append(("run: a damaged key_fingerprint.json", ["run", "--out", str(d)], {}))
-    d = damaged_copy(ws, work / "ws-lost-store", lambda d: shutil.rmtree(d / "store"))
-    out.append(("run: the store lost (rm -rf WS/store), the source still holding the deleted patient",
+    # the store and the workspace's copy of the embedded data lost: the run regenerates the data, which holds the
+    # deleted patient again (as a hospital's source still does)
+    d = damaged_copy(ws, work / "ws-lost-store", lambda d: [shutil.rmtree(d / x) for x in ("store", "source")])
+    out.append(("run: the store lost (rm -rf WS/store WS/source), the source holding the deleted patient again",
                 ["run", "--out", str(d)], {}, "completes", "left out"))
     auditor = work / "auditor"
     shutil.rmtree(auditor, ignore_errors=True)

@@ -9,6 +9,7 @@ disagrees with the certificates is the sign of such a store (:meth:`DeletedSubje
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class DeletedSubjects:
         backup older than their deletion (it may hold their rows again)."""
         return {h: c for h, c in self.certificates.items() if h not in self.in_store}
 
-    def named(self, hashes) -> str:
+    def named(self, hashes: Iterable[str]) -> str:
         """The certificates of ``hashes``, for a message: at most three named, the rest counted."""
         return a_few(sorted({self.certificates.get(h) or "no certificate (a suppression list)" for h in hashes}),
                      joiner=", ")

@@ -224,7 +224,8 @@ def _evidence_of_a_longer_log(log: Log) -> list:
         try:
             size = int(json.loads(r.read_text())["checkpoint"]["size"])
         except (OSError, ValueError, KeyError, TypeError):
-            problems.append(f"receipt proofs/{r.name} cannot be read")
+            problems.append(f"receipt proofs/{r.name} cannot be read: no signed checkpoint in it (damaged or "
+                            f"edited)")
             continue
         if size > log.size:
             problems.append(f"receipt proofs/{r.name} was signed for a log of {size} entries, longer than the "
@@ -342,7 +343,8 @@ def verify_certificate(cert_path: Path, saved_checkpoint: Path | None = None,
     lacking = receipt is not None and not (isinstance(receipt.get("checkpoint"), dict) and
                                            {"root", "size"} <= set(receipt["checkpoint"]) and "proof" in receipt)
     if lacking:
-        problems.append(f"the receipt proofs/{rp.name} lacks its checkpoint or proof (damaged or edited)")
+        if not any(f"proofs/{rp.name}" in p for p in problems):     # the log's own check may have named it
+            problems.append(f"the receipt proofs/{rp.name} lacks its checkpoint or proof (damaged or edited)")
         receipt = None
     problems += signer_problems(log, receipt, anchor)
     if receipt is None and not lacking:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
 _state = {"enabled": False}
 # Every step of this process, as it ran: (name, wall-clock start, end) -- the scale bench reads a run's phases.
@@ -21,7 +21,7 @@ phases: list[tuple[str, float, float]] = []
 PLAIN_EVERY_S = 10.0       # a plain progress line at least this often during a long step
 
 
-def a_few(items, shown: int = 3, joiner: str = "; ") -> str:
+def a_few(items: Iterable[object], shown: int = 3, joiner: str = "; ") -> str:
     """At most ``shown`` of ``items`` named, the rest counted: a message about a request of 100,000 subjects is
     one line a person reads, not 8 MB."""
     items = list(items)

@@ -121,7 +121,7 @@ def test_a_corrupt_line_is_named_and_the_signing_key_must_live_outside(signed, m
 @pytest.mark.parametrize("damage, finding", [
     (lambda ws: (ws / LEDGER).write_text("5\n"), "ledger line 1 is a JSON int, not an entry"),
     (lambda ws: receipt_path(cert(ws, 1)).write_text(json.dumps({"index": 2, "proof": {}})),
-     "the receipt proofs/000001.json lacks its checkpoint or proof"),
+     "receipt proofs/000001.json cannot be read: no signed checkpoint in it"),
 ])
 def test_the_audit_s_damaged_logs_are_a_verdict_not_an_internal_error(signed, capsys, damage, finding):
     """A ledger line `5` gave "internal error: AttributeError", a receipt without `checkpoint` "error:
