@@ -244,3 +244,23 @@ def test_a_command_killed_while_waiting_withdraws_its_request_and_a_dead_command
             time.sleep(0.02)
         time.sleep(0.2)
     assert handled == [] and "orphan" in _rejected(ws) and not (ws.desk / "replies" / "orphan.json").exists()
+
+
+@pytest.mark.parametrize("raised, status", [(KeyError("fingerprint"), 1), (ValueError("a defect"), 1),
+                                            ("hash key", 2), ("locked", 2)])
+def test_the_desk_answers_with_the_exit_class_of_the_cause(tmp_path, monkeypatch, capfd, raised, status):
+    """The same classes through the desk as through the command: our builtin KeyError/ValueError is a defect
+    (exit 1, its traceback in serve's output), the project's own error types are the user's (exit 2)."""
+    import flows.prefect_flows as pf
+    from pipeline.locking import WorkspaceLocked
+    from pipeline.privacy import HashKeyError
+    error = {"hash key": HashKeyError("store/key_fingerprint.json is damaged"),
+             "locked": WorkspaceLocked("a scheduled run holds the workspace")}.get(raised, raised)
+
+    def fails(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(pf, "delete_patients", fails)
+    out = pf.serve_deletion(tmp_path, DeletionRequest(HASHES))
+    assert out.failure_status == status
+    err = capfd.readouterr().err
+    assert ("Traceback" in err) == (status == 1) and str(error) in out.failure
