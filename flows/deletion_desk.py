@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flows.server_watch import alive
 from pipeline.errors import InputError, Refusal
 from pipeline.transaction import atomic_write_text
 from pipeline.workspace import Workspace
@@ -190,16 +191,6 @@ def desk_pid(ws: Workspace) -> int | None:
     finally:
         os.close(fd)
     return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager
