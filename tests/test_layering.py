@@ -132,3 +132,23 @@ def test_no_function_outside_the_compiled_solver_core_runs_past_80_lines():
             for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
     assert long == []
+
+
+def test_only_the_project_s_own_error_types_mean_your_input():
+    """A builtin KeyError or ValueError raised by our code is a defect (exit 1), never "your input" (exit 2): every
+    error class a package defines as input, refusal or environment derives from pipeline.errors (the SV memory's
+    own input errors aside), so no bare builtin is taken for the user's."""
+    from flows.failures import failure_status
+    from pipeline.errors import ForgetfulError
+    assert [failure_status(e) for e in (KeyError("k"), ValueError("v"), TypeError("t"), RuntimeError("r"))] == \
+        [1, 1, 1, 1]
+    builtin_bases = {"ValueError", "KeyError", "RuntimeError", "Exception"}
+    loose = []
+    for pkg in ("pipeline", "cohorts", "run", "reports", "deletion", "flows"):
+        for p in sorted((ROOT / pkg).glob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Locked", "Failed", "Stopped")):
+                    bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                    if bases and bases <= builtin_bases and node.name != ForgetfulError.__name__:
+                        loose.append(f"{pkg}/{p.name}: {node.name}({', '.join(sorted(bases))})")
+    assert loose == []
