@@ -219,11 +219,12 @@ def evidence_cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
     d = damaged_copy(ws, work / "ws-damaged-fingerprint", lambda d: _write(d / "store" / "key_fingerprint.json",
                                                                            "{}"))
     out.append(("run: a damaged key_fingerprint.json", ["run", "--out", str(d)], {}))
-    # the store and the workspace's copy of the embedded data lost: the run regenerates the data, which holds the
-    # deleted patient again (as a hospital's source still does)
-    d = damaged_copy(ws, work / "ws-lost-store", lambda d: [shutil.rmtree(d / x) for x in ("store", "source")])
-    out.append(("run: the store lost (rm -rf WS/store WS/source), the source holding the deleted patient again",
-                ["run", "--out", str(d)], {}, "completes", "left out"))
+    # the store lost; the run rebuilds it from a source that still holds the deleted patient (a hospital's does:
+    # here the embedded data generated anew)
+    d = damaged_copy(ws, work / "ws-lost-store", lambda d: shutil.rmtree(d / "store"))
+    hospital = generate(work / "hospital-source", GeneratorConfig())
+    out.append(("run: the store lost (rm -rf WS/store), the source still holding the deleted patient",
+                ["run", "--out", str(d), "--source", str(hospital)], {}, "completes", "left out"))
     auditor = work / "auditor"
     shutil.rmtree(auditor, ignore_errors=True)
     shutil.copytree(ws / "certificates", auditor / "certificates")

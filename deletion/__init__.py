@@ -33,7 +33,7 @@ from . import derived
 from .memories import replayed_memory_info, rewrite_memories
 from .plan import (AlreadyDeleted, DeletionFailed, check_subject, check_subjects, resolve_subject, resolve_subjects,
                    scan_subject)
-from .reapply import Reapplied, reapply_deletions
+from .reapply import Reapplied, reapply_deletions, reapply_to_generated_source
 from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
 
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 MODES = ("decrement", "replay")
 
 __all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "Reapplied", "check_subject", "check_subjects",
-           "delete_subject", "delete_subjects", "reapply_deletions", "resolve_subject", "resolve_subjects",
-           "scan_subject"]
+           "delete_subject", "delete_subjects", "reapply_deletions", "reapply_to_generated_source", "resolve_subject",
+           "resolve_subjects", "scan_subject"]
 
 
 def _stage_deletion(ws, cfg, txn, subjects, stay_files, mode, log, signing_key, n_jitter, compare):

@@ -11,11 +11,14 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import polars as pl
+
 from pipeline.deleted import deleted_subjects, suppression_files
+from pipeline.privacy import keyed_hash, store_key
 from pipeline.transaction import Transaction
 
 from .plan import check_subject, subjects_by_hash
-from .store import remove_stay_artifacts, rewrite_store
+from .store import read_source, remove_from_source, remove_stay_artifacts, rewrite_store, source_files
 
 if TYPE_CHECKING:
     from pipeline.workspace import Workspace
@@ -60,3 +63,26 @@ def reapply_deletions(ws: Workspace) -> Reapplied | None:
         return None
     rows = sum(sum(r["events_by_table"].values()) + r["quarantine_rows"] for r in removed.values())
     return Reapplied(len(back), rows, deleted.named(back.values()))
+
+
+def reapply_to_generated_source(ws: Workspace) -> int:
+    """The embedded data generated anew (the workspace's copy was lost with its store) holds the deleted patients
+    again: their rows are removed, as their deletion removed them from the copy it found. The rows removed."""
+    deleted = deleted_subjects(ws.store, ws.root)
+    files = source_files(ws)
+    if not len(deleted) or not files:
+        return 0
+    key = store_key(ws.store, ws.root)
+    ids = {int(s) for f in files if "subject_id" in (frame := read_source(f)).columns
+           for s in frame["subject_id"].cast(pl.Int64, strict=False).drop_nulls().unique().to_list()}
+    back = sorted(sid for sid in ids if keyed_hash(sid, key) in deleted)
+    if not back:
+        return 0
+    txn = Transaction(ws.root)
+    try:
+        removed = remove_from_source(ws, txn, back)
+    except BaseException:
+        txn.abort()
+        raise
+    txn.commit()
+    return sum(removed.values())

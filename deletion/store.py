@@ -141,7 +141,7 @@ def read_source(path: Path) -> pl.DataFrame:
     return pl.read_csv(path, infer_schema=False)     # every field as text: rewritten rows keep their content
 
 
-def _source(ws, txn, sids) -> dict[int, int]:
+def remove_from_source(ws: Workspace, txn: Transaction, sids: list[int]) -> dict[int, int]:
     """The workspace's generated source rewritten without the subjects; per subject, the rows removed."""
     removed = dict.fromkeys(sids, 0)
     for f in source_files(ws):
@@ -162,7 +162,7 @@ def rewrite_store(ws: Workspace, txn: Transaction, subjects: dict[int, str]) -> 
     generation bumped once (no cache over the old content is reused). Per subject, what was removed."""
     sids = sorted(subjects)
     (events, removed_codes), quarantine, source = _events(ws, txn, sids), _quarantine(ws, txn, sids), \
-        _source(ws, txn, sids)
+        remove_from_source(ws, txn, sids)
     for scratch in scratch_paths(ws.store):     # an interrupted extraction's rows of any patient
         txn.delete(scratch)
     sharding = Sharding.of_store(ws.store)

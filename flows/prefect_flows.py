@@ -26,7 +26,8 @@ from cohorts.config import CohortConfig
 from cohorts.definitions import CohortConfigError, install_config
 from cohorts.evaluation import EventStream, headline_rows
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
-from deletion import AlreadyDeleted, DeletionFailed, delete_subjects, reapply_deletions, resolve_subjects
+from deletion import (AlreadyDeleted, DeletionFailed, delete_subjects, reapply_deletions, reapply_to_generated_source,
+                      resolve_subjects)
 from flows.deletion_desk import DeletionOutcome, DeletionRequest, say
 from flows.failures import failure_status
 from memory.warmup import compile_solver, is_compiled
@@ -169,6 +170,7 @@ def ingest(root: str | Path, params: RunParams, cfg: CohortConfig) -> dict:
         if not ws.source.exists():
             with progress.step("generating the embedded MIMIC-IV-shaped data"):
                 generate(ws.source, GeneratorConfig())
+                reapply_to_generated_source(ws)
         source = ws.source
     with progress.phase("extract"):
         return extract_task(str(source), str(ws.store), str(ws.root), params.memory_limit,

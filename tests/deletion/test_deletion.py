@@ -202,3 +202,21 @@ def test_a_store_missing_its_code_counts_per_table_refuses_a_deletion_whole_and_
     mine = pl.read_parquet(code_tables_path(ws.store))
     assert mine["count"].sum() == counted["count"].sum() - \
         pl.read_parquet(plain_ws.store / "data").filter(pl.col("subject_id") == sid).height
+
+
+def test_a_lost_store_and_its_regenerated_data_keep_the_deleted_patient_out(plain_ws, tmp_path):
+    """The workspace's copy of the embedded data, generated anew after it was lost with the store, holds the
+    deleted patient again: their rows are removed from it, and the rebuilt store never holds them."""
+    from deletion import reapply_to_generated_source
+    ws = copy_ws(plain_ws, tmp_path / "ws")
+    sid = subject_with_memory_tokens(ws)
+    delete_subject(ws, sid, mode="decrement")
+    shutil.rmtree(ws.store)
+    shutil.rmtree(ws.source)
+    generate(ws.source, GeneratorConfig(n_patients=12, seed=4))
+    assert reapply_to_generated_source(ws) > 0
+    assert reapply_to_generated_source(ws) == 0
+    rebuilt = extract(ws.source, ws.store, key=load_key(ws.root))
+    assert rebuilt.suppressed_rows == 0 and not any(scan_subject(ws, sid)[0].values())
+    assert str(sid) not in {s for f in ws.source.rglob("patients.csv*")
+                            for s in pl.read_csv(f, infer_schema=False)["subject_id"].to_list()}
