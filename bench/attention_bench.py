@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cohorts.encoder_data import encode, training_windows  # noqa: E402
 from memory import SVMemory, verify_against_refit  # noqa: E402
-from memory.encoder import default_device, train_encoder  # noqa: E402
+from memory.encoder import EncoderTraining, default_device, train_encoder  # noqa: E402
 from memory.torch_layer import SVAttention, approximation_gap  # noqa: E402
 
 
@@ -87,7 +87,7 @@ def main(argv=None):
     extract(src, work / "store")
     (codes, feats, flags), keyer, events = training_windows(work / "store", load_config(), window=64)
     t0 = time.perf_counter()
-    enc, hist = train_encoder(codes, feats, flags, steps=100)
+    enc, hist = train_encoder(codes, feats, flags, EncoderTraining(steps=100))
     print(f"encoder: {time.perf_counter() - t0:.1f} s for 100 steps on {default_device()}, selection loss "
           f"{np.mean(hist[:10]):.3f} -> {np.mean(hist[-10:]):.3f} (first/last 10 steps)")
     devs = []

@@ -9,6 +9,7 @@ under which those events are support vectors and the routine ones are reserve. R
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,11 +64,25 @@ def selection_loss(encoder: EventEncoder, code_idx: torch.Tensor, feats: torch.T
     return (1.0 - flagged_mass[has] / best[has]).mean() if has.any() else alpha.sum() * 0.0
 
 
-def train_encoder(codes: list, feats: np.ndarray, flags: np.ndarray, C: float = 1 / 8, gamma: float = 0.5,
-                  steps: int = 100, lr: float = 0.03, batch: int = 32, iters: int = 30, seed: int = 0,
+@dataclass(frozen=True)
+class EncoderTraining:
+    """The training's hyper-parameters: the SV problem's box ``C`` and kernel width ``gamma``, Adam's ``steps``
+    and learning rate ``lr``, windows per ``batch``, the batched solver's ``iters`` and the ``seed``."""
+    C: float = 1 / 8
+    gamma: float = 0.5
+    steps: int = 100
+    lr: float = 0.03
+    batch: int = 32
+    iters: int = 30
+    seed: int = 0
+
+
+def train_encoder(codes: list, feats: np.ndarray, flags: np.ndarray, training: EncoderTraining = EncoderTraining(),
                   device: torch.device | None = None, encoder: EventEncoder | None = None) -> tuple:
     """Adam on the selection loss; returns (encoder, loss per step)."""
     device = device or default_device()
+    C, gamma, steps, lr, batch, iters, seed = (training.C, training.gamma, training.steps, training.lr,
+                                               training.batch, training.iters, training.seed)
     torch.manual_seed(seed)
     encoder = (encoder or EventEncoder([c for w in codes for c in w])).to(device)
     idx = torch.stack([encoder.code_indices(w) for w in codes]).to(device)

@@ -582,27 +582,10 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
         manifest = load_manifest(out)
         summary = ExtractSummary(source=str(source), out=str(out), run_id=run_id, missing_tables=missing)
         if shards:
-            changed = _changed_files({f"meds:{p.relative_to(source)}": p for p in shards}, manifest, summary)
-            for info in changed.values():
-                info["rows"] = pq.ParquetFile(info["path"]).metadata.num_rows
-            sharding = _sharding(out, changed)
-            events = stage_meds(con, source, shards, [Path(i["path"]) for i in changed.values()],
-                                stay_codes or MedsStayCodes())
-            _check_stays(con, source, "no ICU stays: no stays.parquet, and no code matches the ICU admission "
-                                      "pattern (meds_source.admission in the cohort config)")
-            if events is not None:
-                with progress.step("reading changed source files"):
-                    _stage_rows(con, events, staging / "file-0", sharding)
-            groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
+            changed, sharding, groups = _stage_meds_source(con, source, out, shards, manifest, summary,
+                                                           stay_codes or MedsStayCodes())
         else:
-            files = {k: f for t in EVENT_TABLES if t in paths for k, f in table_files(t, paths[t]).items()}
-            changed = _changed_files(files, manifest, summary)
-            sharding = _sharding(out, changed)
-            _stage(con, paths, changed, staging, sharding)
-            groups = {}
-            for name, info in changed.items():
-                table = name.split("/")[0]
-                groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
+            changed, sharding, groups = _stage_mimic_source(con, paths, out, manifest, summary)
         with progress.phase("dropping deleted patients' stays"):
             if suppressed is not None:
                 suppressed.drop(con, "stays")
@@ -610,17 +593,8 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
                                                                                 sharding)
         if suppressed is not None and suppressed.met:
             summary.suppressed_certificates = suppressed.deleted.named(suppressed.met)
-        with progress.phase("counting rows per table and rule"):
-            _summarise(con, changed, summary, manifest, groups)
-        if changed or summary.new_events or not _metadata_current(out):
-            with progress.step("counting the store's codes"):
-                _write_metadata(con, out, source, paths)
-        with progress.phase("writing the stay table"):
-            _write_stays(con, out)
-        # from the shards' footers: a count over every row cost a nightly rerun with nothing new a full scan
-        summary.total_events = sum(pq.ParquetFile(f).metadata.num_rows for f in shard_files(out))
+        _finish(con, out, source, paths, (changed, groups, manifest), summary)
         summary.seconds = time.perf_counter() - t0
-        manifest["runs"].append({"run_id": run_id, "new_events": summary.new_events, "tables": sorted(changed)})
         atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1))
         atomic_write_text(out / "extract_summary.json", json.dumps(summary.to_dict(), indent=1, default=str))
         return summary
@@ -632,6 +606,56 @@ def extract(source: Path | str, out: Path | str, key: bytes | None = None, memor
     finally:
         con.close()
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _stage_meds_source(con, source: Path, out: Path, shards: list[Path], manifest: dict, summary: ExtractSummary,
+                       stay_codes: MedsStayCodes) -> tuple[dict, Sharding, dict]:
+    """A MEDS source's changed shards staged by subject's shard, and its stay table (temp table ``stays``);
+    (changed files, the store's sharding, the table groups to summarise)."""
+    changed = _changed_files({f"meds:{p.relative_to(source)}": p for p in shards}, manifest, summary)
+    for info in changed.values():
+        info["rows"] = pq.ParquetFile(info["path"]).metadata.num_rows
+    sharding = _sharding(out, changed)
+    events = stage_meds(con, source, shards, [Path(i["path"]) for i in changed.values()], stay_codes)
+    _check_stays(con, source, "no ICU stays: no stays.parquet, and no code matches the ICU admission "
+                              "pattern (meds_source.admission in the cohort config)")
+    if events is not None:
+        with progress.step("reading changed source files"):
+            _stage_rows(con, events, staging_dir(out) / "file-0", sharding)
+    groups = {"meds": (["meds", "meds_static"], sum(i["rows"] for i in changed.values()))} if changed else {}
+    return changed, sharding, groups
+
+
+def _stage_mimic_source(con, paths: dict, out: Path, manifest: dict,
+                        summary: ExtractSummary) -> tuple[dict, Sharding, dict]:
+    """A MIMIC-IV directory's changed event files staged by subject's shard, and its stay table (temp table
+    ``stays``); (changed files, the store's sharding, the table groups to summarise)."""
+    files = {k: f for t in EVENT_TABLES if t in paths for k, f in table_files(t, paths[t]).items()}
+    changed = _changed_files(files, manifest, summary)
+    sharding = _sharding(out, changed)
+    _stage(con, paths, changed, staging_dir(out), sharding)
+    groups = {}
+    for name, info in changed.items():
+        table = name.split("/")[0]
+        groups[table] = ([table], groups.get(table, ([], 0))[1] + info["rows"])
+    return changed, sharding, groups
+
+
+def _finish(con, out: Path, source: Path, paths: dict, seen: tuple, summary: ExtractSummary) -> None:
+    """After the shards: the counts per table and rule, the store's codes (when anything changed), the stay
+    table, the store's event count and the manifest's run entry (``seen``: changed files, table groups,
+    manifest)."""
+    changed, groups, manifest = seen
+    with progress.phase("counting rows per table and rule"):
+        _summarise(con, changed, summary, manifest, groups)
+    if changed or summary.new_events or not _metadata_current(out):
+        with progress.step("counting the store's codes"):
+            _write_metadata(con, out, source, paths)
+    with progress.phase("writing the stay table"):
+        _write_stays(con, out)
+    # from the shards' footers: a count over every row cost a nightly rerun with nothing new a full scan
+    summary.total_events = sum(pq.ParquetFile(f).metadata.num_rows for f in shard_files(out))
+    manifest["runs"].append({"run_id": summary.run_id, "new_events": summary.new_events, "tables": sorted(changed)})
 
 
 def _descriptions(con, source: Path, paths: dict) -> pl.DataFrame | None:

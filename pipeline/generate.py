@@ -121,17 +121,30 @@ class _StayWindow:
         return min(1.0, (t - self.onset).total_seconds() / 3600.0 / 4.0)
 
 
-def _stay(tb, rng, subject_id, hadm_id, stay_id, intime, hours, deteriorates, dies, ids):
+@dataclass(frozen=True)
+class _StayPlan:
+    """What a patient's draws decided of their ICU stay before its events are drawn."""
+    subject_id: int
+    hadm_id: int
+    stay_id: int
+    intime: datetime
+    hours: int
+    deteriorates: bool
+    dies: bool
+
+
+def _stay(tb, rng, plan: _StayPlan, ids) -> tuple:
     """One ICU stay's vitals, labs, inputs, outputs and procedures; returns (outtime, death time or None).
 
     The parts draw from ``rng`` in a fixed order, so the embedded data are the same bytes at every run."""
-    onset = intime + timedelta(hours=float(rng.uniform(0.4, 0.8) * hours)) if deteriorates else None
+    intime, hours = plan.intime, plan.hours
+    onset = intime + timedelta(hours=float(rng.uniform(0.4, 0.8) * hours)) if plan.deteriorates else None
     outtime = intime + timedelta(hours=hours)
     death = None
-    if dies:
+    if plan.dies:
         death = onset + timedelta(hours=float(rng.uniform(3, 10)))
         outtime = min(outtime, death)
-    w = _StayWindow(subject_id, hadm_id, stay_id, intime, outtime, onset)
+    w = _StayWindow(plan.subject_id, plan.hadm_id, plan.stay_id, intime, outtime, onset)
     _vitals(tb, rng, w)
     _labs(tb, rng, w, ids)
     _fluids(tb, rng, w, ids)
@@ -189,8 +202,7 @@ def _fluids(tb, rng, w: _StayWindow, ids) -> None:
     for _ in range(int(rng.integers(1, 4))):
         st = w.intime + timedelta(hours=float(rng.uniform(0, max(w.hours - 1, 0.5))))
         et = min(st + timedelta(hours=float(rng.uniform(0.5, 3))), w.outtime)
-        _input(tb, rng, w.subject_id, w.hadm_id, w.stay_id, st, et, 225158, float(rng.uniform(100, 1000)), "mL",
-               ids)
+        _input(tb, rng, w, (st, et), (225158, float(rng.uniform(100, 1000)), "mL"), ids)
 
 
 def _procedure(tb, rng, w: _StayWindow, start, end, itemid, category, ids) -> None:
@@ -204,8 +216,7 @@ def _deterioration(tb, rng, w: _StayWindow, ids) -> None:
     vt = w.onset + timedelta(hours=float(rng.uniform(1, 3)))
     if vt < w.outtime:
         itemid = int(rng.choice(list(VASOPRESSORS), p=[0.7, 0.15, 0.15]))
-        _input(tb, rng, w.subject_id, w.hadm_id, w.stay_id, vt, w.outtime, itemid, float(rng.uniform(0.5, 8)),
-               "mg", ids)
+        _input(tb, rng, w, (vt, w.outtime), (itemid, float(rng.uniform(0.5, 8)), "mg"), ids)
     if rng.random() < 0.6:
         it = w.onset + timedelta(hours=float(rng.uniform(0.5, 4)))
         if it < w.outtime:
@@ -218,9 +229,11 @@ def _deterioration(tb, rng, w: _StayWindow, ids) -> None:
             _procedure(tb, rng, w, ct, w.outtime, 225802, "Dialysis", ids)
 
 
-def _input(tb, rng, subject_id, hadm_id, stay_id, st, et, itemid, amount, unit, ids):
+def _input(tb, rng, w: _StayWindow, span: tuple, dose: tuple, ids) -> None:
+    """An infusion of ``dose`` (itemid, amount, unit) over ``span`` (start, end)."""
+    (st, et), (itemid, amount, unit) = span, dose
     hours = max((et - st).total_seconds() / 3600.0, 1e-3)
-    tb.add("icu/inputevents", subject_id, hadm_id, stay_id, int(rng.integers(1000, 9999)), _fmt(st), _fmt(et),
+    tb.add("icu/inputevents", w.subject_id, w.hadm_id, w.stay_id, int(rng.integers(1000, 9999)), _fmt(st), _fmt(et),
            _fmt(st + timedelta(minutes=5)), itemid, _num(amount), unit, _num(amount / hours), f"{unit}/hour",
            next(ids["order"]), "", "01-Drips", "", "Main order parameter", "Continuous Med", "80", _num(amount),
            unit, 0, 0, "FinishedRunning", _num(amount), _num(amount / hours))
@@ -234,42 +247,51 @@ def generate(out_dir: Path, config: GeneratorConfig = GeneratorConfig()) -> Path
     counters = {k: iter(range(start, 10**12)) for k, start in
                 (("labevent", 1), ("specimen", 10_000_000), ("order", 100_000), ("transfer", 30_000_000))}
     for i in range(config.n_patients):
-        subject_id = 10_000_000 + 37 * i + 1
-        hadm_id = 20_000_000 + 53 * i + 3
-        stay_id = 30_000_000 + 71 * i + 5
-        age = int(rng.integers(16, 91))  # a few minors: the cohort keeps adults only
-        anchor_year = int(rng.integers(2110, 2190))
-        admit = datetime(anchor_year, 1, 1) + timedelta(days=int(rng.integers(0, 360)),
-                                                        minutes=int(rng.integers(0, 1440)))
-        deteriorates = rng.random() < config.deterioration_fraction
-        dies = deteriorates and rng.random() < 0.3
-        hours = int(rng.integers(config.min_stay_hours, config.max_stay_hours + 1))
-        if rng.random() < 0.08:
-            hours = int(rng.integers(3, 10))  # short stays: excluded by the cohort's minimum length
-        ward_hours = float(rng.uniform(2, 30))
-        intime = admit + timedelta(hours=ward_hours)
-        outtime, death = _stay(tb, rng, subject_id, hadm_id, stay_id, intime, hours, deteriorates, dies,
-                               counters)
-        disch = death if death else outtime + timedelta(hours=float(rng.uniform(12, 96)))
-        unit = CAREUNITS[int(rng.integers(len(CAREUNITS)))]
-        ward = WARDS[int(rng.integers(len(WARDS)))]
-        tb.add("hosp/patients", subject_id, "MF"[int(rng.integers(2))], age, anchor_year,
-               f"{anchor_year - anchor_year % 3} - {anchor_year - anchor_year % 3 + 2}",
-               death.strftime("%Y-%m-%d") if death else "")
-        tb.add("hosp/admissions", subject_id, hadm_id, _fmt(admit), _fmt(disch), _fmt(death), "EW EMER.", "P00001",
-               "EMERGENCY ROOM", "DIED" if death else "HOME", "Medicare", "ENGLISH", "SINGLE", "WHITE",
-               _fmt(admit), _fmt(admit + timedelta(hours=2)), int(death is not None))
-        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "admit", ward, _fmt(admit),
-               _fmt(intime))
-        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "transfer", unit, _fmt(intime),
-               _fmt(outtime))
-        if death is None:
-            tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "transfer", ward,
-                   _fmt(outtime), _fmt(disch))
-        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "discharge", "", _fmt(disch), "")
-        los = (outtime - intime).total_seconds() / 86400.0
-        tb.add("icu/icustays", subject_id, hadm_id, stay_id, unit, unit, _fmt(intime), _fmt(outtime), f"{los:.6f}")
+        _patient(tb, rng, config, i, counters)
+    _dictionaries(tb)
+    _write_tables(tb, out, config.compress)
+    return out
 
+
+def _patient(tb, rng, config: GeneratorConfig, i: int, counters: dict) -> None:
+    """Patient ``i``: their admission, one ICU stay and its events, transfers (draws in a fixed order)."""
+    subject_id = 10_000_000 + 37 * i + 1
+    hadm_id = 20_000_000 + 53 * i + 3
+    stay_id = 30_000_000 + 71 * i + 5
+    age = int(rng.integers(16, 91))  # a few minors: the cohort keeps adults only
+    anchor_year = int(rng.integers(2110, 2190))
+    admit = datetime(anchor_year, 1, 1) + timedelta(days=int(rng.integers(0, 360)),
+                                                    minutes=int(rng.integers(0, 1440)))
+    deteriorates = rng.random() < config.deterioration_fraction
+    dies = deteriorates and rng.random() < 0.3
+    hours = int(rng.integers(config.min_stay_hours, config.max_stay_hours + 1))
+    if rng.random() < 0.08:
+        hours = int(rng.integers(3, 10))  # short stays: excluded by the cohort's minimum length
+    ward_hours = float(rng.uniform(2, 30))
+    intime = admit + timedelta(hours=ward_hours)
+    outtime, death = _stay(tb, rng, _StayPlan(subject_id, hadm_id, stay_id, intime, hours, deteriorates, dies),
+                           counters)
+    disch = death if death else outtime + timedelta(hours=float(rng.uniform(12, 96)))
+    unit = CAREUNITS[int(rng.integers(len(CAREUNITS)))]
+    ward = WARDS[int(rng.integers(len(WARDS)))]
+    tb.add("hosp/patients", subject_id, "MF"[int(rng.integers(2))], age, anchor_year,
+           f"{anchor_year - anchor_year % 3} - {anchor_year - anchor_year % 3 + 2}",
+           death.strftime("%Y-%m-%d") if death else "")
+    tb.add("hosp/admissions", subject_id, hadm_id, _fmt(admit), _fmt(disch), _fmt(death), "EW EMER.", "P00001",
+           "EMERGENCY ROOM", "DIED" if death else "HOME", "Medicare", "ENGLISH", "SINGLE", "WHITE",
+           _fmt(admit), _fmt(admit + timedelta(hours=2)), int(death is not None))
+    transfers = [("admit", ward, admit, intime), ("transfer", unit, intime, outtime)]
+    if death is None:
+        transfers.append(("transfer", ward, outtime, disch))
+    for kind, where, start, end in transfers:
+        tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), kind, where, _fmt(start),
+               _fmt(end))
+    tb.add("hosp/transfers", subject_id, hadm_id, next(counters["transfer"]), "discharge", "", _fmt(disch), "")
+    los = (outtime - intime).total_seconds() / 86400.0
+    tb.add("icu/icustays", subject_id, hadm_id, stay_id, unit, unit, _fmt(intime), _fmt(outtime), f"{los:.6f}")
+
+
+def _dictionaries(tb) -> None:
     for itemid, (label, _, _, _, _, _, cat) in {**LABS, **RARE_LABS}.items():
         tb.add("hosp/d_labitems", itemid, f'"{label}"', "Blood", cat)
     for itemid, (label, unit, *_rest) in VITALS.items():
@@ -279,15 +301,15 @@ def generate(out_dir: Path, config: GeneratorConfig = GeneratorConfig()) -> Path
         for itemid, (label, unit) in group.items():
             tb.add("icu/d_items", itemid, f'"{label}"', "", linksto, cat, unit, "Solution", "", "")
 
+
+def _write_tables(tb, out: Path, compress: bool) -> None:
     for table, header in HEADERS.items():
-        path = out / f"{table}.csv{'.gz' if config.compress else ''}"
+        path = out / f"{table}.csv{'.gz' if compress else ''}"
         path.parent.mkdir(parents=True, exist_ok=True)
         text = "\n".join([header, *tb.rows[table]]) + "\n"
-        if config.compress:
+        if compress:
             # mtime=0: identical bytes on every run
             with open(path, "wb") as fh, gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz:
                 gz.write(text.encode())
         else:
             path.write_text(text)
-    return out
-

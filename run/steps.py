@@ -183,11 +183,11 @@ def save_results(ws: Workspace, rows: list) -> Path:
 
 def train_key_encoder(ws: Workspace, steps: int, cfg: CohortConfig) -> dict:
     """Train the learned-key encoder on the training split's windows and save it; a summary of the loss."""
-    from memory.encoder import train_encoder        # torch: ~1.5 s to import, for learned keys only
+    from memory.encoder import EncoderTraining, train_encoder   # torch: ~1.5 s to import, for learned keys only
 
     from cohorts.encoder_data import training_windows
     (codes, feats, flags), _, _ = training_windows(ws.store, cfg)
-    encoder, history = train_encoder(codes, feats, flags, steps=steps)
+    encoder, history = train_encoder(codes, feats, flags, EncoderTraining(steps=steps))
     ws.encoder.parent.mkdir(parents=True, exist_ok=True)
     encoder.save(ws.encoder)
     k = max(1, len(history) // 10)

@@ -5,7 +5,7 @@ import torch
 
 from cohorts.encoder_data import encode, training_windows
 from memory import SVMemory, verify_against_refit
-from memory.encoder import EventEncoder, evaluate_loss, train_encoder
+from memory.encoder import EncoderTraining, EventEncoder, evaluate_loss, train_encoder
 from memory.torch_layer import (SVAttention, SVCoefficients, approximation_gap, batched_sv_coefficients,
                                 project_capped_simplex, rbf_torch)
 
@@ -100,7 +100,7 @@ def test_training_improves_the_selection_loss_and_the_encoder_round_trips(window
     torch.manual_seed(0)
     enc = EventEncoder([c for w in codes for c in w])
     before = evaluate_loss(enc, codes, feats, flags)
-    enc, hist = train_encoder(codes, feats, flags, steps=60, encoder=enc, device=torch.device("cpu"))
+    enc, hist = train_encoder(codes, feats, flags, EncoderTraining(steps=60), encoder=enc, device=torch.device("cpu"))
     after = evaluate_loss(enc, codes, feats, flags)
     assert after < before - 0.05, (before, after)
     enc.save(tmp_path / "enc.pt")
