@@ -194,15 +194,46 @@ class _ChangedFacts:
             done()
 
 
-def _finish_shard(ws: Workspace, caches: dict[str, StayCache], shard: int, rows: pl.DataFrame, refs: list[str],
-                  shard_keys: dict[int, str], fp: str, cfg_key: str, state: list[int] | None,
-                  row_digests: dict[str, str]) -> None:
+@dataclass(frozen=True)
+class _ShardSeen:
+    """One shard's cohort stays as this run reads them: their rows, keyed references and row digests, and the
+    fingerprint and file state its index is saved under."""
+    shard: int
+    rows: pl.DataFrame
+    refs: list[str]
+    row_digests: dict[str, str]
+    fingerprint: str
+    state: list[int] | None
+
+
+@dataclass
+class _FactsRun:
+    """What phase 1 holds for every shard: the workspace, the config and its key, the channels' reading spec,
+    the caches and the gathered changes, how many stays a chunk holds, the progress callback."""
+    ws: Workspace
+    cfg: CohortConfig
+    cfg_key: str
+    spec: object
+    names: list[str]
+    caches: dict[str, StayCache]
+    changed: _ChangedFacts
+    chunk_stays: int
+    on_chunk: Callable | None
+    computed: int = 0
+
+    def tick(self, n: int) -> None:
+        if self.on_chunk is not None and n:
+            self.on_chunk(n)
+
+
+def _finish_shard(run: _FactsRun, seen: _ShardSeen, shard_keys: dict[int, str]) -> None:
     """A shard's caches compacted to its stays' keys, then its index saved."""
     wanted = set(shard_keys.values())
-    for cache in caches.values():
-        cache.update(shard, wanted)
-    _save_index(ws, shard, fp, dict(zip(refs, [shard_keys[s] for s in rows["stay_id"].to_list()])), cfg_key,
-                state, row_digests)
+    for cache in run.caches.values():
+        cache.update(seen.shard, wanted)
+    _save_index(run.ws, seen.shard, seen.fingerprint,
+                dict(zip(seen.refs, [shard_keys[s] for s in seen.rows["stay_id"].to_list()])), run.cfg_key,
+                seen.state, seen.row_digests)
 
 
 def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chunk: Callable | None = None,
@@ -218,68 +249,69 @@ def stay_facts(ws: Workspace, cfg: CohortConfig, chunk_stays: int = 256, on_chun
     cohort = _with_shard(build_cohort(store, cfg), sharding)
     before = _with_shard(build_cohort(removed_from, cfg), sharding) if removed_from is not None else None
     cfg_key = _digest(cfg.digest, code_digest())
-    channels = cfg.channels
-    names = [c.name for c in channels]
-    spec = reading_spec(channels, store_codes(store))
+    names = [c.name for c in cfg.channels]
+    spec = reading_spec(cfg.channels, store_codes(store))
     secret = store_key(store, ws.root)
     caches = {k: StayCache(ws, k) for k in ("tokens", "facts", "fired", "codes")}
     changed = _ChangedFacts(store, caches, chunk_stays,
                             lambda events, part, todo: _chunk_facts(events, part, todo, cfg, spec, names))
-    keys_all, computed = {}, 0
+    run = _FactsRun(ws, cfg, cfg_key, spec, names, caches, changed, chunk_stays, on_chunk)
+    keys_all = {}
     for shard in sharding.shards():
         rows = cohort.filter(pl.col("shard") == shard).drop("shard")
-        state = file_state(shard_path(store, shard))
-        fp = _shard_fingerprint(store, shard, rows, cfg_key)
         refs = _stay_refs(rows["stay_id"].to_list(), secret)
-        row_digests = _row_digests(rows, refs)
+        seen = _ShardSeen(shard, rows, refs, _row_digests(rows, refs), _shard_fingerprint(store, shard, rows, cfg_key),
+                          file_state(shard_path(store, shard)))
         index = _load_index(ws, shard)
         present = caches["facts"].keys(shard)
         known = all(index.get("keys", {}).get(r) in present for r in refs)
-        if known and index.get("fingerprint") == fp:
+        if known and index.get("fingerprint") == seen.fingerprint:
             keys_all.update({s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)})
-            if on_chunk is not None:
-                on_chunk(rows.height)
+            run.tick(rows.height)
             continue
         if known and before is not None and index.get("fingerprint") == _shard_fingerprint(
                 removed_from, shard, before.filter(pl.col("shard") == shard).drop("shard"), cfg_key):
             # indexed from the shard before whole subjects left it: the stays still there are the same rows
             shard_keys = {s: index["keys"][r] for s, r in zip(rows["stay_id"].to_list(), refs)}
-            if on_chunk is not None:
-                on_chunk(rows.height)
+            run.tick(rows.height)
         else:
-            # a shard computed before under this config and code (late rows, new patients) mostly keeps its
-            # stays: those of subjects its splices did not touch keep their keys; the others' digests from the
-            # columns they read, then whole events for the changed stays only
-            light = index.get("config") == cfg_key and bool(present)
-            shard_keys = {s: k for s, k in _unchanged_stays(store, shard, rows, refs, row_digests, index,
-                                                              cfg_key).items() if k in present} if light else {}
-            todo_rows = rows.filter(~pl.col("stay_id").is_in(pl.Series(list(shard_keys), dtype=pl.Int64).implode()))
-            if on_chunk is not None and shard_keys:
-                on_chunk(len(shard_keys))
-            for chunk in plan_chunks(todo_rows, sharding, chunk_stays) if todo_rows.height else []:
-                events = None if light else chunk_events(store, chunk)
-                digests = chunk_digests(store, chunk) if light else stay_digests(events, chunk.stays)
-                keys = {s: _digest(d, cfg_key) for s, d in digests.items()}
-                shard_keys.update(keys)
-                todo = {s: k for s, k in keys.items() if k not in present}
-                if todo:     # a first run's appended chunk by chunk; a rerun's gathered, chunk_stays at most
-                    mine = pl.Series(list(todo), dtype=pl.Int64).implode()
-                    part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
-                    if light:
-                        changed.add(part, todo)
-                    else:
-                        for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part.stays,
-                                                        todo, cfg, spec, names).items():
-                            caches[kind].append(shard, [frame])
-                    computed += len(todo)
-                if on_chunk is not None:
-                    on_chunk(len(chunk))
-        changed.finish(partial(_finish_shard, ws, caches, shard, rows, refs, shard_keys, fp, cfg_key, state,
-                               row_digests))
+            shard_keys = _shard_keys(run, seen, index, present, sharding)
+        changed.finish(partial(_finish_shard, run, seen, shard_keys))
         keys_all.update(shard_keys)
     changed.flush()
     key_col = pl.Series("key", [keys_all[s] for s in cohort["stay_id"].to_list()], dtype=pl.String)
-    return StayIndex(cohort.with_columns(key_col), sharding, computed={"tokens": computed})
+    return StayIndex(cohort.with_columns(key_col), sharding, computed={"tokens": run.computed})
+
+
+def _shard_keys(run: _FactsRun, seen: _ShardSeen, index: dict, present: set, sharding: Sharding) -> dict[int, str]:
+    """A shard's stays' content keys, computing the facts of the stays not cached. A shard computed before
+    under this config and code (late rows, new patients) mostly keeps its stays: those of subjects its splices
+    did not touch keep their keys; the others' digests from the columns they read, then whole events for the
+    changed stays only."""
+    store, shard, rows = run.ws.store, seen.shard, seen.rows
+    light = index.get("config") == run.cfg_key and bool(present)
+    shard_keys = {s: k for s, k in _unchanged_stays(store, shard, rows, seen.refs, seen.row_digests, index,
+                                                      run.cfg_key).items() if k in present} if light else {}
+    todo_rows = rows.filter(~pl.col("stay_id").is_in(pl.Series(list(shard_keys), dtype=pl.Int64).implode()))
+    run.tick(len(shard_keys))
+    for chunk in plan_chunks(todo_rows, sharding, run.chunk_stays) if todo_rows.height else []:
+        events = None if light else chunk_events(store, chunk)
+        digests = chunk_digests(store, chunk) if light else stay_digests(events, chunk.stays)
+        keys = {s: _digest(d, run.cfg_key) for s, d in digests.items()}
+        shard_keys.update(keys)
+        todo = {s: k for s, k in keys.items() if k not in present}
+        if todo:     # a first run's appended chunk by chunk; a rerun's gathered, chunk_stays at most
+            mine = pl.Series(list(todo), dtype=pl.Int64).implode()
+            part = StayChunk(shard, chunk.stays.filter(pl.col("stay_id").is_in(mine)))
+            if light:
+                run.changed.add(part, todo)
+            else:
+                for kind, frame in _chunk_facts(events.filter(pl.col("stay_id").is_in(mine)), part.stays, todo,
+                                                run.cfg, run.spec, run.names).items():
+                    run.caches[kind].append(shard, [frame])
+            run.computed += len(todo)
+        run.tick(len(chunk))
+    return shard_keys
 
 
 def _with_shard(cohort: pl.DataFrame, sharding: Sharding) -> pl.DataFrame:
