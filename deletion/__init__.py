@@ -16,6 +16,7 @@ named steps.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from pipeline.migrate import check_format
 from pipeline.privacy import keyed_hash, store_key
 from pipeline.transaction import Transaction, crash_point, recover
 
-from .certify import certificate, stage_certificates, stale_reports
+from .certify import DeletionChange, certificate, stage_certificates, stale_reports
 from . import derived
 from .memories import replayed_memory_info, rewrite_memories
 from .plan import (AlreadyDeleted, DeletionFailed, check_subject, check_subjects, resolve_subject, resolve_subjects,
@@ -38,6 +39,10 @@ from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from cohorts.definitions import CohortConfig
+    from pipeline.evidence import Log
     from pipeline.workspace import Workspace
 
 MODES = ("decrement", "replay")
@@ -47,9 +52,23 @@ __all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "Reapplied", "check_subj
            "resolve_subjects", "scan_subject"]
 
 
-def _stage_deletion(ws, cfg, txn, subjects, stay_files, mode, log, signing_key, n_jitter, compare):
-    """Every step of a deletion of ``subjects`` (id -> keyed hash) staged in ``txn``; their certificates' names."""
+@dataclass(frozen=True)
+class _DeletionPlan:
+    """A deletion's scope once checked: the subjects (id -> keyed hash), their stays' memory files, the mode,
+    the refit check's probes, whether a decrement measures its distance to a replay, the log and its key."""
+    subjects: dict[int, str]
+    stay_files: dict[int, list]
+    mode: str
+    refit_probes: int
+    compare: bool
+    log: Log
+    signing_key: Ed25519PrivateKey
+
+
+def _stage_deletion(ws: Workspace, cfg: CohortConfig, txn: Transaction, plan: _DeletionPlan) -> tuple:
+    """Every step of a deletion of ``plan``'s subjects staged in ``txn``; their certificates and names."""
     t0 = time.perf_counter()
+    subjects, stay_files, mode = plan.subjects, plan.stay_files, plan.mode
     sids = frozenset(subjects)
     removed = rewrite_store(ws, txn, subjects)
     rerun = mode == "replay" and derived.reruns(ws)
@@ -57,20 +76,20 @@ def _stage_deletion(ws, cfg, txn, subjects, stay_files, mode, log, signing_key, 
         removed[sid] |= r
     crash_point("staged_store")
     run = derived.prepare(ws, txn, sorted(sids)) if rerun else None
-    tokens, verification, digests = rewrite_memories(ws, cfg, txn, sids, mode, n_jitter,
-                                                     scaler=run.index.scaling if run else None, compare=compare)
+    tokens, verification, digests = rewrite_memories(ws, cfg, txn, sids, mode, plan.refit_probes,
+                                                     scaler=run.index.scaling if run else None, compare=plan.compare)
     crash_point("staged_memories")
     recomputed = derived.finish(ws, txn, run, replayed_memory_info(ws, txn), sorted(sids)) if run else []
     residual = residual_scan(ws, txn, stay_files)
     left = {subjects[sid][:12]: r for sid, r in residual.items() if r["rows_remaining"]}
     if left:
         raise DeletionFailed(f"post-deletion scan still finds subject(s) (by hash) {left}")
-    stale = [] if run else stale_reports(ws)
-    seconds = time.perf_counter() - t0
-    certs = [certificate(log, subjects[sid], mode, removed[sid],
-                         ({c: n[sid] for c, n in tokens.items()}, verification, digests), residual[sid], stale,
-                         seconds, recomputed, batch=len(sids)) for sid in sorted(sids)]
-    names = stage_certificates(ws, txn, log, signing_key, certs, cfg.small_cell_threshold)
+    change = DeletionChange(mode, verification, digests, [] if run else stale_reports(ws), recomputed,
+                            time.perf_counter() - t0, batch=len(sids))
+    certs = [certificate(plan.log, subjects[sid], removed[sid] | {"cohort_memory_tokens": {c: n[sid] for c, n in
+                                                                                           tokens.items()}},
+                         residual[sid], change) for sid in sorted(sids)]
+    names = stage_certificates(ws, txn, plan.log, plan.signing_key, certs, cfg.small_cell_threshold)
     crash_point("staged_certificate")
     return certs, names
 
@@ -105,8 +124,9 @@ def delete_subjects(ws: Workspace, subject_ids: list[int], mode: str = "decremen
                                  f"{'; '.join(problems)}")
         txn = Transaction(ws.root)
         try:
-            certs, names = _stage_deletion(ws, workspace_config(ws.root), txn, subjects, stay_files, mode, log,
-                                           signing_key, budget_refit_probes, compare_with_replay)
+            plan = _DeletionPlan(subjects, stay_files, mode, budget_refit_probes, compare_with_replay, log,
+                                 signing_key)
+            certs, names = _stage_deletion(ws, workspace_config(ws.root), txn, plan)
         except BaseException:
             txn.abort()
             raise

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
@@ -47,22 +48,33 @@ def scope(mode: str, recomputed: list) -> dict:
     return {"equal": list(STORE_EQUAL), "not_equal": list(DECREMENT_NOT_EQUAL)}
 
 
-def certificate(log: Log, subject_hash: str, mode: str, removed: dict, memories: tuple, residual: dict, stale: list,
-                seconds: float, recomputed: list = (), batch: int = 1) -> dict:
-    """The certificate of one patient: only what was done and checked (``memories``: their tokens per checkpoint,
-    the verification, the digests; ``recomputed``: what a replay recomputed without the patient). ``batch``: the
-    patients deleted in the same transaction (the memories' digests and checks are of that one change)."""
-    tokens, verification, digests = memories
+@dataclass(frozen=True)
+class DeletionChange:
+    """What one deletion transaction did for all its patients: the mode, each memory's refit check and state
+    digests, the reports marked stale, what a replay recomputed without them, its seconds, how many patients."""
+    mode: str
+    verification: dict
+    digests: dict
+    stale: list
+    recomputed: list
+    seconds: float
+    batch: int = 1
+
+
+def certificate(log: Log, subject_hash: str, removed: dict, residual: dict, change: DeletionChange) -> dict:
+    """The certificate of one patient: only what was done and checked (``removed``: their rows and tokens per
+    place; ``change``: the transaction's, whose memory digests and checks are of that one change)."""
+    recomputed = list(change.recomputed)
     return {"certificate_id": log.size, "subject_hash": subject_hash,
-            "deleted_together": {"patients": batch, "meaning": "deleted in one transaction; the memory digests "
-                                 "and refit checks are of that change, the removed counts this patient's"},
+            "deleted_together": {"patients": change.batch, "meaning": "deleted in one transaction; the memory "
+                                 "digests and refit checks are of that change, the removed counts this patient's"},
             "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
-            "mode": mode, "mode_meaning": MODE_MEANING[mode],
-            "removed": removed | {"cohort_memory_tokens": tokens}, "memory_digests": digests,
-            "verification": verification, "residual_scan": residual, "artifacts_marked_stale": stale,
-            "recomputed_without_the_patient": list(recomputed),
-            "never_saw_equivalence": scope(mode, list(recomputed)), "code_version": code_version(),
-            "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(seconds, 3),
+            "mode": change.mode, "mode_meaning": MODE_MEANING[change.mode],
+            "removed": removed, "memory_digests": change.digests,
+            "verification": change.verification, "residual_scan": residual,
+            "artifacts_marked_stale": change.stale, "recomputed_without_the_patient": recomputed,
+            "never_saw_equivalence": scope(change.mode, recomputed), "code_version": code_version(),
+            "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(change.seconds, 3),
             "log_size_before": log.size, "log_root_before": log.root_hex()}
 
 
