@@ -89,23 +89,7 @@ def cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
            ("an unknown config name", ["run", "--config", "no-such-config"], {}),
            ("a config that is not YAML", ["run", "--config", str(_write(work / "configs" / "bad.yaml", "a: [1,\n"))],
             {})]
-    fixed = lambda c: c["protocols"]["fixed_context"]     # noqa: E731
-    streaming = lambda c: c["protocols"]["streaming"]     # noqa: E731
-    edits = {"nu: 0": lambda c: fixed(c).update(nu=0),
-             "sigma: 0": lambda c: fixed(c).update(sigma=0),
-             "a misspelled nested key (nuu)": lambda c: fixed(c).update(nuu=fixed(c).pop("nu")),
-             "an unknown label in the streaming selection": lambda c: streaming(c).update(
-                 select_label="composite_vital"),
-             "an infeasible nu grid (1.5)": lambda c: streaming(c).update(nu_grid=[0.3, 1.5]),
-             "a negative nu": lambda c: streaming(c).update(nu_grid=[-0.3]),
-             "an unknown held-out channel": lambda c: c["token_labels"]["heldout_spo2"].update(heldout_channel="sp02"),
-             "an unknown threshold channel": lambda c: c["token_labels"]["composite_vitals"]["thresholds"].update(
-                 hrr={"above": 1}),
-             "a small-cell threshold of 0": lambda c: c["report"].update(small_cell_threshold=0),
-             "a channel whose codes match nothing": lambda c: c["tokens"]["channels"][0].update(
-                 codes=["CHART//999999"])}
-    out += [(f"config: {name}", ["run", "--source", str(src), "--config", config_with(work, f"c{i}", e)], {})
-            for i, (name, e) in enumerate(edits.items())]
+    out += config_cases(work, src)
     events = pl.DataFrame({"subject_id": [1, 1], "time": [None, None], "code": ["A", "B"]},
                           schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String})
     out += [("MEDS: no metadata/dataset.json", ["run", "--source", str(meds_dataset(work / "meds-nometa", events,
@@ -126,6 +110,27 @@ def cases(work: Path, env: dict) -> list[tuple[str, list[str], dict]]:
                                                          "1"], {})]
     out += audit_cases(work, src)
     return out
+
+
+def config_cases(work: Path, src: Path) -> list[tuple]:
+    """A cohort config damaged one way each."""
+    fixed = lambda c: c["protocols"]["fixed_context"]     # noqa: E731
+    streaming = lambda c: c["protocols"]["streaming"]     # noqa: E731
+    edits = {"nu: 0": lambda c: fixed(c).update(nu=0),
+             "sigma: 0": lambda c: fixed(c).update(sigma=0),
+             "a misspelled nested key (nuu)": lambda c: fixed(c).update(nuu=fixed(c).pop("nu")),
+             "an unknown label in the streaming selection": lambda c: streaming(c).update(
+                 select_label="composite_vital"),
+             "an infeasible nu grid (1.5)": lambda c: streaming(c).update(nu_grid=[0.3, 1.5]),
+             "a negative nu": lambda c: streaming(c).update(nu_grid=[-0.3]),
+             "an unknown held-out channel": lambda c: c["token_labels"]["heldout_spo2"].update(heldout_channel="sp02"),
+             "an unknown threshold channel": lambda c: c["token_labels"]["composite_vitals"]["thresholds"].update(
+                 hrr={"above": 1}),
+             "a small-cell threshold of 0": lambda c: c["report"].update(small_cell_threshold=0),
+             "a channel whose codes match nothing": lambda c: c["tokens"]["channels"][0].update(
+                 codes=["CHART//999999"])}
+    return [(f"config: {name}", ["run", "--source", str(src), "--config", config_with(work, f"c{i}", e)], {})
+            for i, (name, e) in enumerate(edits.items())]
 
 
 def audit_cases(work: Path, src: Path) -> list[tuple]:
