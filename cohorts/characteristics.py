@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from pipeline.extract import quarantine_reasons
+from pipeline.store_reader import quarantine_reasons
 
 from .predicates import code_expr, describe_codes
 

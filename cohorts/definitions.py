@@ -8,7 +8,7 @@ import meds
 import polars as pl
 import yaml
 
-from pipeline.extract import scan_events
+from pipeline.store_reader import scan_events
 from pipeline.meds import stays_path
 
 from .config import DEFAULT_SMALL_CELL_THRESHOLD, CohortConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline.extract import scan_events_in
+from pipeline.store_reader import scan_events_in
 from pipeline.meds import shard_path
 from pipeline.sharding import Sharding
 

@@ -7,7 +7,7 @@ import numpy as np
 import polars as pl
 
 from memory.cohort import token_id
-from pipeline.extract import scan_events_in
+from pipeline.store_reader import scan_events_in
 from pipeline.keys import EventKeyer
 from pipeline.meds import shard_path
 from pipeline.privacy import stay_ref, subject_ref

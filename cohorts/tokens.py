@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.extract import scan_events, store_codes
+from pipeline.store_reader import scan_events, store_codes
 
 from .channels import Channel
 from .config import CohortConfig

@@ -11,7 +11,7 @@ import polars as pl
 from memory.cohort import CohortMemory, owner_of
 from pipeline.errors import Refusal
 from pipeline.deleted import certified_hashes, deleted_subjects
-from pipeline.extract import UnknownSubjectError
+from pipeline.store_reader import UnknownSubjectError
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import quarantine_files, shard_files, shard_of, stays_path
 from pipeline.privacy import keyed_hash, store_key, subject_ref

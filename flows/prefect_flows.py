@@ -32,7 +32,8 @@ from flows.deletion_desk import DeletionOutcome, DeletionRequest, say
 from flows.failures import failure_status
 from memory.warmup import compile_solver, is_compiled
 from pipeline import progress
-from pipeline.extract import ExtractionError, UnknownSubjectError, extract
+from pipeline.extract import ExtractionError, extract
+from pipeline.store_reader import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.meds import MedsStayCodes

@@ -31,3 +31,11 @@ class Refusal(ForgetfulError):
 
 class EnvironmentProblem(ForgetfulError, RuntimeError):
     """The machine or a service the command needs is not as it must be."""
+
+
+class ExtractionError(InputError):
+    """The source directory cannot be extracted as it is (missing table or column)."""
+
+
+class UnknownSubjectError(ExtractionError, KeyError):
+    """A subject id with no events in the store."""

@@ -45,21 +45,17 @@ from .extract_rules import (EVENT_TABLES, HASHED_CODE, HASHED_TEXT, ONE_EVENT_PE
                             bigint, csv_reader, dictionary_selects, event_selects, header_names,
                             quarantine_reason, sql_literal, table_view, ts)
 from .meds import (EVENT_COLUMNS, SHARD_ORDER, STAY_COLUMNS, MedsSourceError, MedsStayCodes, ShardWriter,
-                   code_tables_path, codes_metadata_path, codes_of, count_code_tables, events_glob,
+                   code_tables_path, codes_metadata_path, codes_of, count_code_tables,
                    is_meds_dataset, meds_shards, quarantine_dir, quarantine_files, read_codes_metadata, shard_files,
-                   shard_of, shard_path, shard_table, splice_shard, stage_meds, stays_path, write_codes_metadata,
+                   shard_path, shard_table, splice_shard, stage_meds, stays_path, write_codes_metadata,
                    write_dataset_metadata)
 from .migrate import check_format, mark_current
-from .errors import InputError
+from .errors import ExtractionError
 from .deleted import DeletedSubjects, deleted_subjects, suppression_files
 from .privacy import HOW_TO, check_key, keyed_hash
 from .transaction import atomic_write_text
 from .shard_changes import file_state, record_splice
 from .sharding import Sharding, is_recorded
-
-
-class ExtractionError(InputError):
-    """The source directory cannot be extracted as it is (missing table or column)."""
 
 
 @dataclass
@@ -710,48 +706,3 @@ def _version() -> str:
         return importlib.metadata.version("forgetful")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def scan_events(store: Path) -> pl.LazyFrame:
-    """Lazy frame over the whole event store, values in double precision (stored as MEDS's float32; every
-    computation over them is fp64)."""
-    return scan_events_in(events_glob(store))
-
-
-def scan_events_in(files: Path) -> pl.LazyFrame:
-    return pl.scan_parquet(files).with_columns(pl.col("numeric_value").cast(pl.Float64))
-
-
-def store_codes(store: Path) -> list[str]:
-    """Every code in the store (from its codes metadata when it has one)."""
-    meta = read_codes_metadata(store)
-    codes = meta["code"] if meta is not None else scan_events(store).select("code").unique().collect()["code"]
-    return codes.to_list()
-
-
-def quarantine_reasons(store: Path) -> dict[str, int]:
-    """Rows the extraction rejected, by the rule that rejected them (empty when nothing was rejected)."""
-    files = quarantine_files(store)
-    if not files:
-        return {}
-    counts = pl.scan_parquet(files).group_by("reason").len().sort("reason").collect()
-    return {r: int(n) for r, n in counts.iter_rows()}
-
-
-class UnknownSubjectError(ExtractionError, KeyError):
-    """A subject id with no events in the store."""
-
-    def __str__(self):
-        return str(self.args[0]) if self.args else ""
-
-
-def read_subject(store: Path, subject_id: int) -> pl.DataFrame | None:
-    """One patient's events in time order, reading only that patient's shard."""
-    shard = shard_of(store, subject_id)
-    frame = None
-    if shard.exists():
-        frame = (scan_events_in(shard).filter(pl.col("subject_id") == int(subject_id))
-                 .sort(["time", "code", "event_hash", "occurrence"]).collect())
-    if frame is None or frame.height == 0:
-        raise UnknownSubjectError(f"subject {subject_id} has no events in the store {store}")
-    return frame

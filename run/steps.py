@@ -23,7 +23,7 @@ from cohorts.stay_chunks import code_digest
 from cohorts.stream_mode import StreamMode
 from cohorts.streams import evaluation_streams
 from pipeline import progress
-from pipeline.extract import scan_events
+from pipeline.store_reader import scan_events
 from pipeline.meds import subject_splits_path, write_subject_splits
 from pipeline.privacy import id_refs, store_key
 from pipeline.transaction import atomic_write_text

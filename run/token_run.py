@@ -37,7 +37,7 @@ from cohorts.stay_chunks import (STAY_ROW, StayChunk, chunk_digests, chunk_event
                                  code_digest, in_windows, plan_chunks, stay_digests)
 from cohorts.tokens import (TokenScaling, bin_time, check_scaling, declared_scaling, filled_tokens, reading_spec,
                             threshold_expr)
-from pipeline.extract import store_codes
+from pipeline.store_reader import store_codes
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import LabelFiles, shard_path
 from pipeline.privacy import id_refs, keyed_hash, store_key

@@ -13,7 +13,8 @@ from cohorts.streams import evaluation_streams
 from deletion import AlreadyDeleted, DeletionFailed, delete_subject, resolve_subject, scan_subject
 from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
-from pipeline.extract import UnknownSubjectError, extract, staging_dir
+from pipeline.extract import extract, staging_dir
+from pipeline.store_reader import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.meds import code_tables_path
 from pipeline.privacy import keyed_hash, load_key

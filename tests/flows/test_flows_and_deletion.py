@@ -14,7 +14,7 @@ from cohorts.definitions import workspace_config
 from deletion import AlreadyDeleted, delete_subject, scan_subject
 from memory.cohort import CohortMemory
 from pipeline.evidence import verify_certificate
-from pipeline.extract import UnknownSubjectError
+from pipeline.store_reader import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.locking import WorkspaceLocked, workspace_lock
 from pipeline.privacy import keyed_hash, load_key

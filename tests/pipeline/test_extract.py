@@ -11,7 +11,8 @@ import pytest
 
 from cohorts.definitions import (build_cohort, deterioration_hours, is_eval_subject, label_events, load_config,
                                  rare_codes, stay_events)
-from pipeline.extract import ExtractionError, UnknownSubjectError, extract, read_subject, scan_events
+from pipeline.extract import ExtractionError, extract
+from pipeline.store_reader import UnknownSubjectError, read_subject, scan_events
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.keys import KEY_DIM, EventKeyer
 from pipeline.meds import shard_files

@@ -17,7 +17,8 @@ from cohorts.definitions import load_config, resolve_config
 from cohorts.predicates import code_expr, matching_codes, value_expr
 from run.reference import prepare_token_streams
 from deletion import delete_subject, scan_subject
-from pipeline.extract import ExtractionError, extract, quarantine_reasons, scan_events
+from pipeline.extract import ExtractionError, extract
+from pipeline.store_reader import quarantine_reasons, scan_events
 from pipeline.extract_rules import DEATH_DATE_ONLY
 from pipeline.generate import GeneratorConfig, generate
 from pipeline.meds import ADMISSION_WITHOUT_DISCHARGE, MedsStayCodes, shard_files, validate_dataset
