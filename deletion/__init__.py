@@ -32,8 +32,8 @@ from pipeline.transaction import Transaction, crash_point, recover
 from .certify import DeletionChange, certificate, stage_certificates, stale_reports
 from . import derived
 from .memories import replayed_memory_info, rewrite_memories
-from .plan import (AlreadyDeleted, DeletionFailed, check_subject, check_subjects, resolve_subject, resolve_subjects,
-                   scan_subject)
+from .plan import (AlreadyDeleted, DeletionFailed, Triage, check_subject, check_subjects, resolve_subject,
+                   resolve_subjects, scan_subject, triage)
 from .reapply import Reapplied, reapply_deletions, reapply_to_generated_source
 from .scan import residual_scan
 from .store import remove_stay_artifacts, rewrite_store
@@ -47,9 +47,9 @@ if TYPE_CHECKING:
 
 MODES = ("decrement", "replay")
 
-__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "Reapplied", "check_subject", "check_subjects",
+__all__ = ["MODES", "AlreadyDeleted", "DeletionFailed", "Reapplied", "Triage", "check_subject", "check_subjects",
            "delete_subject", "delete_subjects", "reapply_deletions", "reapply_to_generated_source", "resolve_subject",
-           "resolve_subjects", "scan_subject"]
+           "resolve_subjects", "scan_subject", "triage"]
 
 
 @dataclass(frozen=True)

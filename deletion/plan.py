@@ -3,7 +3,8 @@ of them, or that they were deleted before."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import duckdb
 import polars as pl
@@ -15,9 +16,12 @@ from pipeline.store_reader import UnknownSubjectError
 from pipeline.extract_rules import sql_literal
 from pipeline.meds import quarantine_files, shard_files, shard_of, stays_path
 from pipeline.privacy import keyed_hash, store_key, subject_ref
+from pipeline.progress import a_few
 
 if TYPE_CHECKING:
     from pipeline.workspace import Workspace
+
+K = TypeVar("K")
 
 
 class AlreadyDeleted(Exception):
@@ -99,6 +103,33 @@ def check_subjects(ws: Workspace, subject_ids: list[int],
             f"subject (hash {h[:12]}...) was already deleted; certificate {certified[h]}") if certified.get(h) \
             else UnknownSubjectError(f"subject {sid} is not in the workspace {ws.root}")
     return out
+
+
+@dataclass(frozen=True)
+class Triage(Generic[K]):
+    """What a request of several subjects comes to, decided once for the command and the flow: the subjects to
+    delete (``left``), those skipped and why, or nothing to do (``already_deleted``: every one was deleted
+    before), or a refusal naming a few of those it cannot delete."""
+    left: tuple[K, ...]
+    skipped: dict[K, str]
+    already_deleted: str | None = None
+    refusal: str | None = None
+
+
+def triage(status: dict[K, object], skip_unknown: bool, named: Callable[[K, str], str]) -> Triage[K]:
+    """``status``: per subject (an id, or a keyed hash) None or what they resolved to when the workspace holds them,
+    else why not (UnknownSubjectError, AlreadyDeleted). One the workspace does not hold refuses the request
+    unless ``skip_unknown`` and some are left; ``named(subject, why)`` is how a message names one."""
+    missing = {k: why for k, why in status.items() if isinstance(why, Exception)}
+    left = tuple(k for k in status if k not in missing)
+    skipped = {k: str(why) for k, why in missing.items()}
+    if missing and not left and all(isinstance(why, AlreadyDeleted) for why in missing.values()):
+        return Triage((), skipped, already_deleted=a_few(skipped.values()))
+    if missing and not (skip_unknown and left):
+        listed = a_few(named(k, why) for k, why in skipped.items())
+        return Triage((), skipped, refusal=f"{len(missing)} of {len(status)} subject(s) cannot be deleted, so none "
+                                           f"is (--skip-unknown deletes the rest): {listed}")
+    return Triage(left, skipped)
 
 
 def _held(ws: Workspace, sids: list[int], key: bytes) -> set[int]:

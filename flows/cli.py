@@ -212,22 +212,19 @@ def _deletable(args, ws) -> list[int]:
     """The requested subjects the workspace holds. One that it does not (unknown, or deleted before) is named,
     with why, and refuses the request unless --skip-unknown; when none is left because every one was deleted
     before, AlreadyDeleted (nothing to do, exit 0). Messages name a few subjects and count the rest."""
-    from deletion import AlreadyDeleted, check_subjects
+    from deletion import AlreadyDeleted, check_subjects, triage
     from pipeline import progress
     progress.configure(True)
     with progress.step(f"checking the {len(args.subject_ids)} requested subjects", total=len(args.subject_ids),
                        unit="subjects") if len(args.subject_ids) > BIG_REQUEST else nullcontext() as advance:
         status = check_subjects(ws, args.subject_ids, advance)
-    left = [sid for sid, why in status.items() if why is None]
-    skipped = {sid: why for sid, why in status.items() if why is not None}
-    if skipped and not left and all(isinstance(why, AlreadyDeleted) for why in skipped.values()):
-        raise AlreadyDeleted(progress.a_few(map(str, skipped.values())))
-    if skipped and not (args.skip_unknown and left):
-        listed = progress.a_few(f"subject {sid}: {why}" for sid, why in skipped.items())
-        raise CommandLineError(f"{len(skipped)} of {len(status)} subject(s) cannot be deleted, so none is "
-                               f"(--skip-unknown deletes the rest): {listed}")
-    _print_skipped([f"subject {sid}: {why}" for sid, why in skipped.items()])
-    return left
+    decided = triage(status, args.skip_unknown, lambda sid, why: f"subject {sid}: {why}")
+    if decided.already_deleted is not None:
+        raise AlreadyDeleted(decided.already_deleted)
+    if decided.refusal is not None:
+        raise CommandLineError(decided.refusal)
+    _print_skipped([f"subject {sid}: {why}" for sid, why in decided.skipped.items()])
+    return list(decided.left)
 
 
 def _print_skipped(lines: list[str], shown: int = 3) -> None:

@@ -27,7 +27,7 @@ from cohorts.definitions import CohortConfigError, install_config
 from cohorts.evaluation import EventStream, headline_rows
 from cohorts.protocols import StreamingSettings, TokenStream, score_token_streams
 from deletion import (AlreadyDeleted, DeletionFailed, delete_subjects, reapply_deletions, reapply_to_generated_source,
-                      resolve_subjects)
+                      resolve_subjects, triage)
 from flows.deletion_desk import DeletionOutcome, DeletionRequest, say
 from flows.failures import failure_status
 from memory.warmup import compile_solver, is_compiled
@@ -296,14 +296,14 @@ def delete_patients(root: str | Path, subject_hashes: list[str], mode: str = "de
         found = resolve_subjects(ws, list(dict.fromkeys(subject_hashes)))
     except REFUSALS as e:
         return Failed(message=f"{REFUSAL_PREFIX}{e}")
-    missing = {h[:12]: str(r) for h, r in found.items() if isinstance(r, Exception)}
-    sids = [r for r in found.values() if not isinstance(r, Exception)]
-    if not sids and all(isinstance(r, AlreadyDeleted) for r in found.values()):
-        get_run_logger().info("nothing to do: %s", progress.a_few(missing.values()))
-        return {"already_deleted": progress.a_few(missing.values())}
-    if missing and not (skip_unknown and sids):
-        return Failed(message=f"{REFUSAL_PREFIX}{len(missing)} of {len(found)} subject(s) cannot be deleted, so "
-                              f"none is (--skip-unknown deletes the rest): {progress.a_few(missing.values())}")
+    decided = triage(found, skip_unknown, lambda h, why: why)      # the reason names the hash's prefix
+    if decided.already_deleted is not None:
+        get_run_logger().info("nothing to do: %s", decided.already_deleted)
+        return {"already_deleted": decided.already_deleted}
+    if decided.refusal is not None:
+        return Failed(message=f"{REFUSAL_PREFIX}{decided.refusal}")
+    sids = [found[h] for h in decided.left]
+    missing = {h[:12]: why for h, why in decided.skipped.items()}
     try:
         issued = delete_subjects(ws, sids, mode=mode, wait_seconds=wait_seconds,
                                  compare_with_replay=compare_with_replay)
