@@ -66,7 +66,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         cert, _ = delete_subject(ws, sid)
         t_del.append(time.perf_counter() - t0)
-        assert all(v["passed"] for v in cert["verification"].values())
+        assert all(v["passed"] for v in cert.verification.values())
         fresh = Workspace(work / f"rerun{i}")
         t0 = time.perf_counter()
         pipeline(fresh, source, key, deleted=sid)

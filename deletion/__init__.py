@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from cohorts.definitions import CohortConfig
+    from pipeline.certificate import Certificate
     from pipeline.evidence import Log
     from pipeline.workspace import Workspace
 
@@ -65,7 +66,8 @@ class _DeletionPlan:
     signing_key: Ed25519PrivateKey
 
 
-def _stage_deletion(ws: Workspace, cfg: CohortConfig, txn: Transaction, plan: _DeletionPlan) -> tuple:
+def _stage_deletion(ws: Workspace, cfg: CohortConfig, txn: Transaction,
+                    plan: _DeletionPlan) -> list[tuple[Certificate, str]]:
     """Every step of a deletion of ``plan``'s subjects staged in ``txn``; their certificates and names."""
     t0 = time.perf_counter()
     subjects, stay_files, mode = plan.subjects, plan.stay_files, plan.mode
@@ -89,13 +91,13 @@ def _stage_deletion(ws: Workspace, cfg: CohortConfig, txn: Transaction, plan: _D
     certs = [certificate(plan.log, subjects[sid], removed[sid] | {"cohort_memory_tokens": {c: n[sid] for c, n in
                                                                                            tokens.items()}},
                          residual[sid], change) for sid in sorted(sids)]
-    names = stage_certificates(ws, txn, plan.log, plan.signing_key, certs, cfg.small_cell_threshold)
+    issued = stage_certificates(ws, txn, plan.log, plan.signing_key, certs, cfg.small_cell_threshold)
     crash_point("staged_certificate")
-    return certs, names
+    return issued
 
 
 def delete_subjects(ws: Workspace, subject_ids: list[int], mode: str = "decrement", wait_seconds: float = 0.0,
-                    budget_refit_probes: int = 64, compare_with_replay: bool = True) -> list[tuple[dict, Path]]:
+                    budget_refit_probes: int = 64, compare_with_replay: bool = True) -> list[tuple[Certificate, Path]]:
     """Delete several subjects from the workspace in one transaction (one store rewrite, one memory decrement or
     replay, one recomputation for all); each gets a certificate and a log entry of their own, verifiable alone.
     Returns (certificate, path) per subject, in ascending id order. ``compare_with_replay`` (decrement): measure
@@ -126,7 +128,7 @@ def delete_subjects(ws: Workspace, subject_ids: list[int], mode: str = "decremen
         try:
             plan = _DeletionPlan(subjects, stay_files, mode, budget_refit_probes, compare_with_replay, log,
                                  signing_key)
-            certs, names = _stage_deletion(ws, workspace_config(ws.root), txn, plan)
+            issued = _stage_deletion(ws, workspace_config(ws.root), txn, plan)
         except BaseException:
             txn.abort()
             raise
@@ -136,10 +138,10 @@ def delete_subjects(ws: Workspace, subject_ids: list[int], mode: str = "decremen
             after, _ = scan_subject(ws, sid)
             if any(after.values()):
                 raise DeletionFailed(f"after commit a subject (hash {subjects[sid][:12]}...) is still found: {after}")
-        return [(cert, ws.certificates / name) for cert, name in zip(certs, names)]
+        return [(cert, ws.certificates / name) for cert, name in issued]
 
 
 def delete_subject(ws: Workspace, subject_id: int, mode: str = "decrement", wait_seconds: float = 0.0,
                    budget_refit_probes: int = 64, compare_with_replay: bool = True) -> tuple:
-    """Delete one subject (:func:`delete_subjects` of one): their certificate (dict) and its path."""
+    """Delete one subject (:func:`delete_subjects` of one): their certificate and its path."""
     return delete_subjects(ws, [subject_id], mode, wait_seconds, budget_refit_probes, compare_with_replay)[0]

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pipeline.evidence import CHECKPOINT, canonical, new_entry, receipt_path
+from pipeline.certificate import Certificate
+from pipeline.evidence import CHECKPOINT, new_entry, receipt_path
 from pipeline.versions import code_version
 from reports.certificate_page import render_certificate_html
 from reports.html import mark_stale
@@ -61,21 +62,21 @@ class DeletionChange:
     batch: int = 1
 
 
-def certificate(log: Log, subject_hash: str, removed: dict, residual: dict, change: DeletionChange) -> dict:
+def certificate(log: Log, subject_hash: str, removed: dict, residual: dict, change: DeletionChange) -> Certificate:
     """The certificate of one patient: only what was done and checked (``removed``: their rows and tokens per
-    place; ``change``: the transaction's, whose memory digests and checks are of that one change)."""
+    place; ``change``: the transaction's, whose memory digests and checks are of that one change). Its place in
+    the log is set when it is staged (:func:`stage_certificates`)."""
     recomputed = list(change.recomputed)
-    return {"certificate_id": log.size, "subject_hash": subject_hash,
-            "deleted_together": {"patients": change.batch, "meaning": "deleted in one transaction; the memory "
-                                 "digests and refit checks are of that change, the removed counts this patient's"},
-            "hash": "HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
-            "mode": change.mode, "mode_meaning": MODE_MEANING[change.mode],
-            "removed": removed, "memory_digests": change.digests,
-            "verification": change.verification, "residual_scan": residual,
-            "artifacts_marked_stale": change.stale, "recomputed_without_the_patient": recomputed,
-            "never_saw_equivalence": scope(change.mode, recomputed), "code_version": code_version(),
-            "issued_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(change.seconds, 3),
-            "log_size_before": log.size, "log_root_before": log.root_hex()}
+    return Certificate(
+        certificate_id=log.size, subject_hash=subject_hash,
+        deleted_together={"patients": change.batch, "meaning": "deleted in one transaction; the memory digests and "
+                          "refit checks are of that change, the removed counts this patient's"},
+        hash="HMAC-SHA256 (the deployment's hash key, kept outside the workspace)",
+        mode=change.mode, mode_meaning=MODE_MEANING[change.mode], removed=removed, memory_digests=change.digests,
+        verification=change.verification, residual_scan=residual, artifacts_marked_stale=change.stale,
+        recomputed_without_the_patient=recomputed, never_saw_equivalence=scope(change.mode, recomputed),
+        code_version=code_version(), issued_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        seconds=round(change.seconds, 3), log_size_before=log.size, log_root_before=log.root_hex())
 
 
 def stale_reports(ws: Workspace) -> list[str]:
@@ -94,28 +95,29 @@ def _stamp_stale(ws, txn, stale, names) -> None:
         txn.stage(ws.report_html).write_text(mark_stale(ws.report_html.read_text(), said))
 
 
-def stage_certificates(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey, certs: list[dict],
-                       small_cell_threshold: int) -> list[str]:
+def stage_certificates(ws: Workspace, txn: Transaction, log: Log, signing_key: Ed25519PrivateKey,
+                       certs: list[Certificate], small_cell_threshold: int) -> list[tuple[Certificate, str]]:
     """Stage each certificate, its page, its receipt and its log entry, in order, and the newly signed checkpoint
-    after the last; mark the reports stale naming them. Returns the certificates' file names."""
-    names, lines = [], []
+    after the last; mark the reports stale naming them. Returns each certificate as issued (its place in the log
+    set) with its file name."""
+    issued, lines = [], []
     for cert in certs:
-        cert["certificate_id"], cert["log_size_before"], cert["log_root_before"] = log.size, log.size, log.root_hex()
+        cert = replace(cert, certificate_id=log.size, log_size_before=log.size, log_root_before=log.root_hex())
         name = f"{log.size:06d}.json"
         if (ws.certificates / name).exists() or receipt_path(ws.certificates / name).exists():
             # never overwrite another patient's certificate (read_log names a rolled-back log before this)
             raise DeletionFailed(f"certificate {name} exists already but the log has {log.size} entries: the log "
                                  f"was rolled back; nothing is appended")
-        text, page = canonical(cert), render_certificate_html(cert, name, small_cell_threshold)
+        text, page = cert.text(), render_certificate_html(cert, name, small_cell_threshold)
         line, checkpoint, receipt = new_entry(log, name, text, page, signing_key)
         log.entries.append(json.loads(line))
         txn.stage(ws.certificates / name).write_text(text)
         txn.stage(ws.certificates / name.replace(".json", ".html")).write_text(page)
         txn.stage(receipt_path(ws.certificates / name)).write_text(receipt)
-        names.append(name)
+        issued.append((cert, name))
         lines.append(line)
     old = ws.ledger.read_text() if ws.ledger.exists() else ""
     txn.stage(ws.ledger).write_text(old + "".join(f"{line}\n" for line in lines))
     txn.stage(ws.root / CHECKPOINT).write_text(checkpoint)
-    _stamp_stale(ws, txn, certs[0]["artifacts_marked_stale"], names)
-    return names
+    _stamp_stale(ws, txn, certs[0].artifacts_marked_stale, [name for _, name in issued])
+    return issued

@@ -312,7 +312,7 @@ def delete_patients(root: str | Path, subject_hashes: list[str], mode: str = "de
     names = [Path(path).name for _, path in issued]
     get_run_logger().info("deletion certificate(s) %s issued (mode %s)", ", ".join(names), mode)
     create_markdown_artifact(key="forgetful-deletion", markdown="\n".join(
-        f"- Certificate `{Path(path).name}` (subject hash `{cert['subject_hash'][:16]}...`, mode {mode})"
+        f"- Certificate `{Path(path).name}` (subject hash `{cert.subject_hash[:16]}...`, mode {mode})"
         for cert, path in issued))
     return {"certificates": [str(path) for _, path in issued], "skipped": missing}
 

@@ -40,8 +40,8 @@ def test_a_deletion_removes_every_row_and_its_certificate_verifies(plain_ws, tmp
     sid = subject_with_memory_tokens(ws)
     cert, path = delete_subject(ws, sid, mode=mode)
     assert not any(scan_subject(ws, sid)[0].values()) and verify_certificate(path) == []
-    assert cert["removed"]["source_rows"] > 0 and cert["residual_scan"]["rows_remaining"] == 0
-    assert all(v["passed"] for v in cert["verification"].values())
+    assert cert.removed["source_rows"] > 0 and cert.residual_scan["rows_remaining"] == 0
+    assert all(v["passed"] for v in cert.verification.values())
     with pytest.raises(AlreadyDeleted):
         delete_subject(ws, sid)
     # the workspace's own source no longer holds the patient, and a re-extraction does not bring them back
@@ -58,7 +58,7 @@ def test_an_interrupted_extraction_s_staged_rows_and_spill_files_go_with_a_delet
     (ws.store / ".work" / "spill").mkdir()
     (ws.store / ".work" / "spill" / "duckdb_temp_block-1.block").write_bytes(b"spilled rows")
     cert, _ = delete_subject(ws, sid)
-    assert cert["residual_scan"]["rows_remaining"] == 0
+    assert cert.residual_scan["rows_remaining"] == 0
     assert not staging_dir(ws.store).exists() and not (ws.store / ".work" / "spill").exists()
 
 

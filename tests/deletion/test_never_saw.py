@@ -94,8 +94,8 @@ def test_replay_leaves_what_a_run_that_never_saw_the_patient_makes(full, tmp_pat
     sid = first_subject(ws, split == "eval")
     deleted = copy_ws(ws, tmp_path / "deleted")
     cert, _ = delete_subject(deleted, sid, mode="replay")
-    assert cert["never_saw_equivalence"]["not_equal"] == [] and cert["artifacts_marked_stale"] == []
-    assert "rare-item vocabulary" in cert["recomputed_without_the_patient"]
+    assert cert.never_saw_equivalence["not_equal"] == [] and cert.artifacts_marked_stale == []
+    assert "rare-item vocabulary" in cert.recomputed_without_the_patient
     assert_equal_workspaces(deleted, never_saw(source, tmp_path, [sid]))
 
 
@@ -114,7 +114,7 @@ def test_one_replay_of_several_patients_of_both_splits_leaves_what_a_run_that_ne
     issued = delete_subjects(deleted, sids, mode="replay")
     assert len(issued) == 4 and len({path for _, path in issued}) == 4
     for (cert, path), sid in zip(issued, sorted(sids)):
-        assert cert["subject_hash"] == keyed_hash(sid, load_key()) and cert["deleted_together"]["patients"] == 4
+        assert cert.subject_hash == keyed_hash(sid, load_key()) and cert.deleted_together["patients"] == 4
         assert verify_certificate(path, None, TrustAnchor(public_hex(load_signing_key(deleted.root)), "test")) == []
     assert_equal_workspaces(deleted, never_saw(source, tmp_path, sids))
     # their shards of the per-stay caches were compacted, not dropped: no entry of their stays is left
@@ -150,11 +150,11 @@ def test_decrement_states_what_it_leaves_different_and_measures_the_memory_s_dis
         cert, _ = delete_subject(deleted, sid, mode="decrement")
     except Exception as e:          # the fixed-C memory may be unable to lose that many tokens
         pytest.skip(f"decrement refused here: {e}")
-    scope = cert["never_saw_equivalence"]
+    scope = cert.never_saw_equivalence
     assert scope["not_equal"] and any("cohort memory" in x for x in scope["not_equal"])
-    difference = next(v["never_saw_difference"] for v in cert["verification"].values() if "never_saw_difference" in v)
+    difference = next(v["never_saw_difference"] for v in cert.verification.values() if "never_saw_difference" in v)
     assert difference["probe_queries"] > 0 and np.isfinite(difference["max_output_deviation"])
-    assert cert["artifacts_marked_stale"]
+    assert cert.artifacts_marked_stale
     shutil.rmtree(deleted.root)
 
 
@@ -177,12 +177,12 @@ def test_replay_starts_from_the_latest_snapshot_before_the_patient_and_equals_a_
     decremented = copy_ws(ws, tmp_path / "decremented")
     try:
         cert, _ = delete_subject(decremented, sid, mode="decrement", compare_with_replay=False)
-        assert cert["residual_scan"]["rows_remaining"] == 0
+        assert cert.residual_scan["rows_remaining"] == 0
         assert all(CohortMemory.load(s).watermark < first[sid] for s in decremented.snapshots())
     except DeletionFailed as e:     # the fixed-C memory may be unable to lose that many tokens
         assert "use mode 'replay'" in str(e)
     cert, _ = delete_subject(ws, sid, mode="replay")
-    (check,) = cert["verification"].values()
+    (check,) = cert.verification.values()
     assert check["replayed_from"].startswith("snapshot ") and check["passed"]
     for s in ws.snapshots():                        # what is left never saw them; the re-feed wrote new ones
         assert CohortMemory.load(s).watermark < first[sid] or not CohortMemory.load(s).tokens_of(
@@ -252,8 +252,8 @@ def test_a_replay_of_an_evaluation_patient_rescores_no_other_stay(full, tmp_path
     before = {f.name: f.stat().st_mtime_ns for f in ws.stay_memories.glob("*.npz")}
     cert, _ = delete_subject(ws, sid, mode="replay")
     after = {f.name: f.stat().st_mtime_ns for f in ws.stay_memories.glob("*.npz")}
-    assert cert["removed"]["per_stay_memories"] > 0
-    assert len(after) == len(before) - cert["removed"]["per_stay_memories"]
+    assert cert.removed["per_stay_memories"] > 0
+    assert len(after) == len(before) - cert.removed["per_stay_memories"]
     assert after == {name: t for name, t in before.items() if name in after}
 
 

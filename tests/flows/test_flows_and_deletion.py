@@ -13,6 +13,7 @@ import pytest
 from cohorts.definitions import workspace_config
 from deletion import AlreadyDeleted, delete_subject, scan_subject
 from memory.cohort import CohortMemory
+from pipeline.certificate import Certificate
 from pipeline.evidence import verify_certificate
 from pipeline.store_reader import UnknownSubjectError
 from pipeline.generate import GeneratorConfig, generate
@@ -76,17 +77,17 @@ def test_deletion_end_to_end_with_certificate(workspace, source, tmp_path):
     found, _ = scan_subject(ws, sid)
     assert found["events"] > 0 and found["cohort_memory_tokens"] > 0
     (path,) = map(Path, delete_patients(str(ws.root), [hash_of(sid)])["certificates"])
-    cert = json.loads(path.read_text())
+    cert = Certificate.read(path)
     assert str(sid) not in path.read_text()  # only the keyed hash
-    assert cert["mode"] == "decrement" and cert["residual_scan"]["rows_remaining"] == 0
-    for v in cert["verification"].values():
+    assert cert.mode == "decrement" and cert.residual_scan["rows_remaining"] == 0
+    for v in cert.verification.values():
         assert v["passed"] and v["max_decision_deviation"] <= 1e-8 and v["nondegenerate_mismatches"] == 0
-    assert sum(cert["removed"]["events_by_table"].values()) == found["events"]
+    assert sum(cert.removed["events_by_table"].values()) == found["events"]
     assert verify_certificate(path) == []
     after, _ = scan_subject(ws, sid)
     assert not any(after.values())
     assert json.loads(ws.report_json.read_text())["stale"]["certificates"] == [path.name]
-    assert not ws.encoder.exists() and "learned_key_encoder" in cert["removed"]
+    assert not ws.encoder.exists() and "learned_key_encoder" in cert.removed
     assert "Stale:" in ws.report_html.read_text()
     with pytest.raises(AlreadyDeleted, match="already deleted"):
         delete_subject(ws, sid)
@@ -133,7 +134,7 @@ def test_replay_mode_equals_a_memory_that_never_saw_the_patient(workspace, tmp_p
     keyer = EventKeyer.load(ckpt / "keyer.parquet")
     _, K, ids, order, subj = cohort_event_stream(ws.store, load_config(), load_key(), keyer=keyer)
     cert, path = delete_subject(ws, sid, mode="replay")
-    assert cert["mode"] == "replay" and verify_certificate(path) == []
+    assert cert.mode == "replay" and verify_certificate(path) == []
     fresh = CohortMemory(budget=24)
     keep = [i for i, s in enumerate(subj) if int(s) != sid]
     fresh.feed(K[keep], [ids[i] for i in keep], [order[i] for i in keep])
@@ -373,16 +374,16 @@ def test_token_mode_deletion_decrement_and_replay(token_workspace, tmp_path):
     ws = copy_ws(token_workspace[0], tmp_path / "dec")
     sid = subject_with_memory_tokens(ws)
     cert, path = delete_subject(ws, sid)
-    assert verify_certificate(path) == [] and cert["residual_scan"]["rows_remaining"] == 0
-    assert all(v["passed"] for v in cert["verification"].values())
-    assert sum(cert["removed"]["cohort_memory_tokens"].values()) > 0
+    assert verify_certificate(path) == [] and cert.residual_scan["rows_remaining"] == 0
+    assert all(v["passed"] for v in cert.verification.values())
+    assert sum(cert.removed["cohort_memory_tokens"].values()) > 0
     assert not any(scan_subject(ws, sid)[0].values())
 
     ws = copy_ws(token_workspace[0], tmp_path / "rep")
     ckpt = ws.checkpoints()[-1]
     _, K, ids, order, subj = cohort_stream(ws.store, load_config(), "hourly", load_key(), scaler=load_scaler(ckpt))
     cert, path = delete_subject(ws, sid, mode="replay")
-    assert cert["mode"] == "replay" and verify_certificate(path) == []
+    assert cert.mode == "replay" and verify_certificate(path) == []
     fresh = CohortMemory(budget=24, gamma=CohortMemory.load(ckpt).gamma)
     keep = [i for i, s in enumerate(subj) if int(s) != sid]
     fresh.feed(K[keep], [ids[i] for i in keep], [order[i] for i in keep])
@@ -463,8 +464,8 @@ def test_a_batch_deletion_is_one_command_a_certificate_each_and_an_unknown_id_is
     assert [c.name for c in certs] == ["000000.json", "000001.json"] and done.stdout.count("certificate: ") == 2
     anchor = TrustAnchor(public_hex(load_signing_key(ws.root)), "the test's signing key")
     for path, sid in zip(certs, (first, second)):
-        cert = json.loads(path.read_text())
-        assert cert["subject_hash"] == hash_of(sid) and cert["deleted_together"]["patients"] == 2
+        cert = Certificate.read(path)
+        assert cert.subject_hash == hash_of(sid) and cert.deleted_together["patients"] == 2
         assert verify_certificate(path, None, anchor) == []
         assert not any(scan_subject(ws, sid)[0].values())
     again = delete("--subject-id", str(first), "--subject-id", str(second))

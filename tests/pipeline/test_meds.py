@@ -188,8 +188,8 @@ def test_runs_write_meds_label_files_and_a_deletion_rewrites_them(ws, tmp_path):
     copy = Workspace(shutil.copytree(ws.root, tmp_path / "copy"))
     sid = int(pl.read_parquet(files[0])["subject_id"][0])
     cert, _ = delete_subject(copy, sid)
-    assert cert["removed"]["label_rows"] > 0 and not any(scan_subject(copy, sid)[0].values())
-    assert cert["residual_scan"]["rows_remaining"] == 0 and "labels" in cert["residual_scan"]["scanned"]
+    assert cert.removed["label_rows"] > 0 and not any(scan_subject(copy, sid)[0].values())
+    assert cert.residual_scan["rows_remaining"] == 0 and "labels" in cert.residual_scan["scanned"]
     for f in sorted(copy.labels.glob("*.parquet")):
         assert sid not in pl.read_parquet(f)["subject_id"].to_list()
     assert sid not in pl.read_parquet(copy.store / meds.subject_splits_filepath)["subject_id"].to_list()

@@ -1,5 +1,6 @@
 """The deletion certificate page reads as a document: status first, tables, the verify command, no JSON."""
-from reports.certificate_page import render_certificate_html
+from pipeline.certificate import Certificate
+from reports.certificate_page import render_certificate_html as render_page
 
 CERT = {"certificate_id": 3, "subject_hash": "ab" * 32, "hash": "HMAC-SHA256 (workspace key)", "mode": "decrement",
         "mode_meaning": "memories equal the fixed-C refit of their retained tokens",
@@ -15,7 +16,12 @@ CERT = {"certificate_id": 3, "subject_hash": "ab" * 32, "hash": "HMAC-SHA256 (wo
         "artifacts_marked_stale": ["report.html"],
         "never_saw_equivalence": {"equal": ["event store rows"], "not_equal": ["cohort memory: evicted tokens"]},
         "code_version": "0.1.0+test", "issued_at": "2026-12-03T10:00:00+0000", "seconds": 0.2,
-        "log_size_before": 3, "log_root_before": "ab" * 32}
+        "log_size_before": 3, "log_root_before": "ab" * 32, "recomputed_without_the_patient": [],
+        "deleted_together": {"patients": 1, "meaning": "deleted alone"}}
+
+
+def render_certificate_html(fields: dict, *args) -> str:
+    return render_page(Certificate.from_json(fields), *args)
 
 
 def test_a_verified_certificate_states_its_status_first_and_how_to_check_it():

@@ -166,7 +166,7 @@ def test_after_late_rows_only_the_touched_subjects_stays_are_digested(source, tm
     assert any(sid in named_subjects(f) for f in change_files(ws.store))
     cert, _ = delete_subject(ws, sid, mode="decrement")
     assert not any(sid in named_subjects(f) for f in change_files(ws.store))
-    assert "shard_change_records" in cert["residual_scan"]["scanned"]
+    assert "shard_change_records" in cert.residual_scan["scanned"]
 
 
 def _one_matrix_bootstrap(x, n_boot=10_000, seed=0):
