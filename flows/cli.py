@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,7 +156,33 @@ def _quiet_prefect(verbose):
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
 
-def _run_params(args) -> dict:
+@dataclass(frozen=True)
+class RunCommand:
+    """A run or serve command as parsed and checked once: the workspace, the cohort config it names (None: the
+    workspace's, else the default), the run parameters given (None: not given; the flow takes the workspace's last
+    run's, :meth:`RunParams.resolve`), the cron schedule of ``serve`` (None: a run)."""
+    out: str
+    config: str | None
+    given: dict
+    cron: str | None = None
+
+    def flow_parameters(self) -> dict:
+        """The scheduled run's parameters, as a deployment names them (only those given)."""
+        return {k: v for k, v in dict(root=self.out, config=self.config, **self.given).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class DeleteCommand:
+    """A delete command as parsed and checked once: the workspace, the subjects by id, how to delete them."""
+    out: str
+    subject_ids: tuple[int, ...]
+    mode: str
+    wait_seconds: float
+    compare_with_replay: bool
+    skip_unknown: bool
+
+
+def _given_run_params(args) -> dict:
     """The run parameters given on the command line (None: not given; the flow takes the workspace's last run's)."""
     # a source is saved with the workspace's parameters, for reruns from any folder: its absolute path
     source = str(Path(args.source).resolve()) if args.source is not None else None
@@ -164,26 +191,28 @@ def _run_params(args) -> dict:
                 encoder_steps=args.encoder_steps, tokens=args.tokens, memory_limit=args.memory_limit)
 
 
-def _preflight(args):
-    """Checks that need no server: raise the error a flow would otherwise fail with."""
+def _preflight(args) -> RunCommand | DeleteCommand:
+    """The command's request, checked where no server is needed: raise the error a flow would otherwise fail with."""
+    from pipeline.workspace import Workspace
+    ws = Workspace(args.out)
     if args.cmd in ("run", "serve"):
         from cohorts.definitions import load_config, resolve_config
         from pipeline.extract import check_source
         from pipeline.privacy import store_key
-        from pipeline.workspace import Workspace
-        ws = Workspace(args.out)
         store_key(ws.store, ws.root)
+        given = _given_run_params(args)
         # a rerun without --source reads the workspace's last run's source: check that one
-        args.source = RunParams.resolve(RunParams.load(ws.run_params), **_run_params(args)).source
-        if args.source is not None:
-            check_source(args.source)
+        source = RunParams.resolve(RunParams.load(ws.run_params), **given).source
+        if source is not None:
+            check_source(source)
         load_config(resolve_config(args.config))
-        _check_meds_codes(args, ws)
-    elif args.cmd == "delete":
-        from pipeline.evidence import load_signing_key
-        from pipeline.workspace import Workspace
-        args.subject_ids = _requested_ids(args)
-        load_signing_key(Workspace(args.out).root)
+        config = _check_meds_codes(source, args.config, ws)
+        return RunCommand(args.out, config, given | {"source": source}, args.cron if args.cmd == "serve" else None)
+    from pipeline.evidence import load_signing_key
+    request = DeleteCommand(args.out, tuple(_requested_ids(args)), args.mode, args.wait,
+                            not args.no_replay_comparison, args.skip_unknown)
+    load_signing_key(ws.root)
+    return request
 
 
 def _requested_ids(args) -> list[int]:
@@ -208,17 +237,18 @@ def _requested_ids(args) -> list[int]:
     return sorted(set(ids))
 
 
-def _deletable(args, ws) -> list[int]:
+def _deletable(command: DeleteCommand, ws) -> list[int]:
     """The requested subjects the workspace holds. One that it does not (unknown, or deleted before) is named,
     with why, and refuses the request unless --skip-unknown; when none is left because every one was deleted
     before, AlreadyDeleted (nothing to do, exit 0). Messages name a few subjects and count the rest."""
     from deletion import AlreadyDeleted, check_subjects, triage
     from pipeline import progress
     progress.configure(True)
-    with progress.step(f"checking the {len(args.subject_ids)} requested subjects", total=len(args.subject_ids),
-                       unit="subjects") if len(args.subject_ids) > BIG_REQUEST else nullcontext() as advance:
-        status = check_subjects(ws, args.subject_ids, advance)
-    decided = triage(status, args.skip_unknown, lambda sid, why: f"subject {sid}: {why}")
+    n = len(command.subject_ids)
+    with progress.step(f"checking the {n} requested subjects", total=n, unit="subjects") if n > BIG_REQUEST \
+            else nullcontext() as advance:
+        status = check_subjects(ws, list(command.subject_ids), advance)
+    decided = triage(status, command.skip_unknown, lambda sid, why: f"subject {sid}: {why}")
     if decided.already_deleted is not None:
         raise AlreadyDeleted(decided.already_deleted)
     if decided.refusal is not None:
@@ -234,26 +264,27 @@ def _print_skipped(lines: list[str], shown: int = 3) -> None:
         print(f"forgetful: skipped {len(lines) - shown} more subject(s) for the same reasons", file=sys.stderr)
 
 
-def _check_meds_codes(args, ws) -> None:
+def _check_meds_codes(source: str | None, config: str | None, ws) -> str | None:
     """A MEDS source must carry the codes of the config the run reads: without --config (and no workspace config
     yet) the shipped config whose codes it carries is taken, saying so; with one that reads nothing of it, one
-    line naming the config, what it looked for and the source's most frequent codes."""
+    line naming the config, what it looked for and the source's most frequent codes. The config the run takes."""
     from pipeline.meds import is_meds_dataset, meds_shards
-    if args.source is None or not is_meds_dataset(Path(args.source)):
-        return
+    if source is None or not is_meds_dataset(Path(source)):
+        return config
     from cohorts.coverage import check_channels_read, code_counts, suggest_config
     from cohorts.definitions import WORKSPACE_CONFIG, load_config, resolve_config
-    counts = code_counts(meds_shards(Path(args.source)))
+    counts = code_counts(meds_shards(Path(source)))
     in_workspace = (ws.root / WORKSPACE_CONFIG).exists()
-    if args.config is None and not in_workspace:
+    if config is None and not in_workspace:
         chosen = suggest_config(counts)
         if chosen not in (None, "default"):
-            print(f"forgetful: {args.source} carries the codes of the shipped config {chosen!r} (not the default's): "
+            print(f"forgetful: {source} carries the codes of the shipped config {chosen!r} (not the default's): "
                   f"using --config {chosen}", file=sys.stderr)
-            args.config = chosen
-    name = args.config or (str(ws.root / WORKSPACE_CONFIG) if in_workspace else "default")
-    path = resolve_config(args.config) if args.config or not in_workspace else ws.root / WORKSPACE_CONFIG
-    check_channels_read(load_config(path), counts, name, f"the MEDS dataset {args.source}")
+            config = chosen
+    name = config or (str(ws.root / WORKSPACE_CONFIG) if in_workspace else "default")
+    path = resolve_config(config) if config or not in_workspace else ws.root / WORKSPACE_CONFIG
+    check_channels_read(load_config(path), counts, name, f"the MEDS dataset {source}")
+    return config
 
 
 def _print_headline(result):
@@ -338,14 +369,14 @@ def _verify(args):
     return 0
 
 
-def _delete(args, server):
+def _delete(command: DeleteCommand, server, subject_ids: list[int]):
     from flows.api_server import shared_api_server
     from flows.prefect_flows import delete_patients, deletion_outcome
     from pipeline.workspace import Workspace
-    by_hash = _ids_by_hash(Workspace(args.out), args.subject_ids)
+    by_hash = _ids_by_hash(Workspace(command.out), subject_ids)
     with shared_api_server(server):
-        state = delete_patients(args.out, list(by_hash), mode=args.mode, wait_seconds=args.wait,
-                                compare_with_replay=not args.no_replay_comparison, return_state=True)
+        state = delete_patients(command.out, list(by_hash), mode=command.mode, wait_seconds=command.wait_seconds,
+                                compare_with_replay=command.compare_with_replay, return_state=True)
     return _report_outcome(deletion_outcome(state), by_hash)
 
 
@@ -357,21 +388,21 @@ def _ids_by_hash(ws, subject_ids: list[int]) -> dict[str, int]:
     return {keyed_hash(sid, key): sid for sid in subject_ids}
 
 
-def _send_to_desk(args) -> int | None:
+def _send_to_desk(command: DeleteCommand) -> int | None:
     """The deletion handed to the process serving the workspace (``forgetful serve``, its deletion desk) when
     one does: no server to start, nothing to import, the same flow run there. Its exit status, or None when no
     desk takes it (the command runs it itself)."""
     from flows.deletion_desk import DeletionRequest, desk_pid, submit
     from pipeline.workspace import Workspace
-    ws = Workspace(args.out)
+    ws = Workspace(command.out)
     pid = desk_pid(ws)
     if pid is None or not ws.store.exists():
         return None
-    by_hash = _ids_by_hash(ws, args.subject_ids)
+    by_hash = _ids_by_hash(ws, list(command.subject_ids))
     print(f"forgetful: sent to the process serving {ws.root} (pid {pid})")
-    outcome = submit(ws, DeletionRequest(tuple(by_hash), mode=args.mode, wait_seconds=args.wait,
-                                         compare_with_replay=not args.no_replay_comparison,
-                                         skip_unknown=args.skip_unknown))
+    outcome = submit(ws, DeletionRequest(tuple(by_hash), mode=command.mode, wait_seconds=command.wait_seconds,
+                                         compare_with_replay=command.compare_with_replay,
+                                         skip_unknown=command.skip_unknown))
     return None if outcome is None else _report_outcome(outcome, by_hash)
 
 
@@ -403,20 +434,20 @@ def _report_outcome(outcome: DeletionOutcome, by_hash: dict[str, int]) -> int:
     return 0
 
 
-def _scheduled(args, server):
+def _scheduled(command: RunCommand, server):
     from flows.api_server import shared_api_server
     from flows.prefect_flows import scheduled_run
-    params = {k: v for k, v in dict(root=args.out, config=args.config, **_run_params(args)).items() if v is not None}
-    fresh = not Path(args.out).exists()
+    params = command.flow_parameters()
+    fresh = not Path(command.out).exists()
     try:
         with shared_api_server(server):
-            if args.cmd == "serve":
-                _serve(args, params)
+            if command.cron is not None:
+                _serve(command, params)
                 return 0
             out = scheduled_run(**params)
     except Exception:
         if fresh:
-            _remove_unstarted_workspace(Path(args.out))
+            _remove_unstarted_workspace(Path(command.out))
         raise
     _print_deleted_left_out(out["result"].metadata.get("ingest") or {})
     print(f"report: {out['report']}")
@@ -433,7 +464,7 @@ def _print_deleted_left_out(ingest: dict) -> None:
               f"{ingest.get('suppressed_certificates') or 'on the suppression list'}): they never return")
 
 
-def _serve(args, params: dict) -> None:
+def _serve(command: RunCommand, params: dict) -> None:
     """The scheduled run served on its cron schedule, and the workspace's deletion requests taken in this process
     meanwhile (:mod:`flows.deletion_desk`)."""
     from functools import partial
@@ -442,7 +473,7 @@ def _serve(args, params: dict) -> None:
     from flows.prefect_flows import scheduled_run, serve_deletion
     from memory.warmup import compile_solver
     from pipeline.workspace import Workspace
-    ws = Workspace(args.out)
+    ws = Workspace(command.out)
 
     def warm() -> None:
         compile_solver()
@@ -451,7 +482,7 @@ def _serve(args, params: dict) -> None:
         print(f"forgetful: deletion requests for {ws.root} are taken by this process (pid {os.getpid()})"
               if desk is not None else f"forgetful: another process takes the deletion requests for {ws.root}",
               flush=True)
-        scheduled_run.serve(name="forgetful-scheduled", cron=args.cron, parameters=params)
+        scheduled_run.serve(name="forgetful-scheduled", cron=command.cron, parameters=params)
 
 
 def _remove_unstarted_workspace(root: Path) -> None:
@@ -487,27 +518,27 @@ def _run(args):
     offline = {"keygen": _keygen, "extract": _extract, "verify": _verify, "migrate": _migrate}   # no flow, server
     if args.cmd in offline:
         return offline[args.cmd](args)
-    _preflight(args)
-    if args.cmd == "delete":
-        sent = _send_to_desk(args)
+    command = _preflight(args)
+    if isinstance(command, DeleteCommand):
+        sent = _send_to_desk(command)
         if sent is not None:
             return sent
     from flows.api_server import begin, launch_early
-    serving = args.cmd == "serve"
+    serving = isinstance(command, RunCommand) and command.cron is not None
     early = launch_early(scheduler=serving)
     # While the server boots: a deletion's check of its subjects (it imports the deletion's modules and reads
     # the workspace's memories: seconds, which the server used to wait for), Prefect's import, the flows'
     # imports, scikit-learn's among them (memory.libsvm imports it on first use so that the checks above, before
     # the server starts, do not wait ~1.2 s for it).
-    if args.cmd == "delete":
+    if isinstance(command, DeleteCommand):
         from pipeline.workspace import Workspace
-        args.subject_ids = _deletable(args, Workspace(args.out))
+        left = _deletable(command, Workspace(command.out))
     server = begin(early, scheduler=serving)
     import flows.prefect_flows  # noqa: F401
     import sklearn.svm  # noqa: F401
     from pipeline import progress
     progress.configure(True)
-    return _delete(args, server) if args.cmd == "delete" else _scheduled(args, server)
+    return _delete(command, server, left) if isinstance(command, DeleteCommand) else _scheduled(command, server)
 
 
 def _os_error_line(e: OSError, args) -> str:
