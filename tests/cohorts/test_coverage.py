@@ -1,6 +1,5 @@
 """No run succeeds on nothing: a config whose channels match no code of the data is one error naming the config,
 what it looked for and the data's most frequent codes; a MEDS source gets the shipped config it follows."""
-import argparse
 from pathlib import Path
 
 import polars as pl
@@ -57,9 +56,6 @@ def test_the_demo_meds_conversion_without_a_config_gets_mimic_iv_meds(tmp_path):
     meds_dataset(tmp_path / "meds", pl.read_parquet(DEMO_MEDS).select(
         "subject_id", "time", "code", numeric_value=pl.col("value").cast(pl.Float32)))
     assert code_counts(sorted((tmp_path / "meds" / "data").glob("*.parquet")))["count"].sum() == 916_166
-    args = argparse.Namespace(source=str(tmp_path / "meds"), config=None)
-    _check_meds_codes(args, Workspace(tmp_path / "ws"))
-    assert args.config == "mimic-iv-meds"
+    assert _check_meds_codes(str(tmp_path / "meds"), None, Workspace(tmp_path / "ws")) == "mimic-iv-meds"
     with pytest.raises(EmptyRunError, match="cohort config default reads nothing of the MEDS dataset"):
-        _check_meds_codes(argparse.Namespace(source=str(tmp_path / "meds"), config="default"),
-                          Workspace(tmp_path / "ws"))
+        _check_meds_codes(str(tmp_path / "meds"), "default", Workspace(tmp_path / "ws"))
