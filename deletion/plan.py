@@ -95,7 +95,8 @@ def check_subjects(ws: Workspace, subject_ids: list[int],
     held = _held(ws, sids, key)
     if advance is not None:
         advance(len(sids))
-    certified = deleted_subjects(ws.store, ws.root).certificates
+    # every certificate is read only for a request naming someone the workspace does not hold
+    certified = deleted_subjects(ws.store, ws.root).certificates if len(held) < len(sids) else {}
     out = {}
     for sid in sids:
         h = keyed_hash(sid, key)
@@ -181,7 +182,7 @@ def resolve_subjects(ws: Workspace, subject_hashes: list[str]) -> dict[str, int 
     if not ws.store.exists():
         raise UnknownSubjectError(f"workspace {ws.root} has no event store")
     found = subjects_by_hash(ws, set(subject_hashes))
-    deleted = deleted_subjects(ws.store, ws.root)
+    deleted = deleted_subjects(ws.store, ws.root) if len(found) < len(set(subject_hashes)) else None
     out = {}
     for h in subject_hashes:
         if h in found:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .progress import a_few
-from .privacy import SUPPRESSED_FILE, keyed_hash, suppressed_hashes, workspace_of
+from .privacy import SUPPRESSED_FILE, suppressed_hashes, workspace_of
 
 CERTIFICATES = "certificates"
 
@@ -31,9 +31,6 @@ class DeletedSubjects:
 
     def __len__(self) -> int:
         return len(self.certificates)
-
-    def is_deleted(self, subject_id: int, key: bytes) -> bool:
-        return keyed_hash(int(subject_id), key) in self.certificates
 
     def missing_from_store(self) -> dict[str, str]:
         """The deleted subjects the store's own list lacks: the store was lost and rebuilt, or restored from a
@@ -63,18 +60,13 @@ def certified_hashes(workspace: Path) -> dict[str, str]:
     return found
 
 
-def workspace_list(workspace: Path) -> set[str]:
-    """The workspace's own suppression list (``WS/suppressed.json``), kept beside the log."""
-    return suppressed_hashes(workspace)
-
-
 def deleted_subjects(store: Path, workspace: Path | None = None) -> DeletedSubjects:
     """Everyone deleted from ``store``: its suppression list, and where it is a workspace's (``workspace``,
     default :func:`pipeline.privacy.workspace_of`), the workspace's list and certificates."""
     store = Path(store)
     workspace = workspace if workspace is not None else workspace_of(store)
     own = suppressed_hashes(store)
-    listed = own | (workspace_list(workspace) if workspace is not None else set())
+    listed = own | (suppressed_hashes(workspace) if workspace is not None else set())    # WS/suppressed.json
     certified = certified_hashes(workspace) if workspace is not None else {}
     return DeletedSubjects({**dict.fromkeys(listed, ""), **certified}, frozenset(own))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import polars as pl
 
 from .errors import InputError
+from .transaction import atomic_write_text
 
 KEY_ENV = "FORGETFUL_HASH_KEY"
 KEY_FILE_ENV = "FORGETFUL_HASH_KEY_FILE"
@@ -156,9 +157,7 @@ def check_key(store: Path, key: bytes, workspace: Path | None = None) -> None:
                                f"patients are not recognised and would be re-ingested; use the original key")
     for f in files if store.exists() else []:       # nothing is written before the store is
         if f.parent.exists() and not f.exists():
-            tmp = f.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"fingerprint": mine}))
-            os.replace(tmp, f)
+            atomic_write_text(f, json.dumps({"fingerprint": mine}))
 
 
 def store_key(store: Path, workspace: Path | None = None) -> bytes:
@@ -179,6 +178,6 @@ def suppressed_hashes(store: Path) -> set[str]:
     except (OSError, ValueError):
         hashes = None
     if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-        raise HashKeyError(f"{f} is damaged (it should list the deleted subjects' keyed hashes): restore it from a "
-                           f"backup; the workspace's certificates and its own {SUPPRESSED_FILE} name them too")
+        raise InputError(f"{f} is damaged (it should list the deleted subjects' keyed hashes): restore it from a "
+                         f"backup; the workspace's certificates and its own {SUPPRESSED_FILE} name them too")
     return set(hashes)
